@@ -1,0 +1,113 @@
+"""EngineConfig: every engine setting in one validated dataclass.
+
+Unknown keyword arguments are refused by name (`EngineConfig.from_kwargs`), so a typo fails loudly
+instead of silently running a default.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from pcg_engine.errors import ConfigError
+
+MODES = ("eager", "compile", "full_decode", "piecewise", "full_and_piecewise")
+
+
+def default_buckets(max_tokens: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 256, of 16 to 512, then powers of two up to max_tokens."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
+    size = 1024
+    while size <= max_tokens:
+        sizes.append(size)
+        size *= 2
+    sizes = [s for s in sizes if s <= max_tokens]
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sizes
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None             # HF checkpoint directory; None -> the bundled tiny model
+    device: str = "auto"                 # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"                  # "auto" (bf16 on CUDA, fp32 on CPU), "bfloat16", "float16", "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None     # None -> from gpu_memory_utilization (CUDA) or cpu_kv_blocks
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_blocks: int = 512
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None     # None -> min(config's max_position_embeddings, 4096)
+    mode: str = "auto"                   # one of MODES, or "auto" (full_and_piecewise on CUDA, eager on CPU)
+    attention_backend: str = "auto"      # "auto", "torch", "triton"
+    fuse: bool = True                    # fuse Q/K/V and gate/up at load
+    kernels: bool | None = None          # Triton norm/activation/MoE kernels (None: on CUDA)
+    enable_prefix_caching: bool = True
+    async_scheduling: bool | None = None  # None -> on for CUDA
+    seed: int = 0
+    cudagraph_buckets: list[int] | None = None   # token-count buckets for piecewise graphs
+    decode_buckets: list[int] | None = None      # batch buckets for full decode graphs
+    max_capture_tokens: int = 512        # largest piecewise bucket
+    compile_cache: bool = True
+    compile_cache_dir: str | None = None
+    show_progress: bool = False
+
+    def __post_init__(self):
+        def check(name, ok, allowed):
+            if not ok:
+                raise ConfigError(name, f"got {getattr(self, name)!r}; allowed: {allowed}")
+        check("block_size", isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+              "a power of two from 1 to 128")
+        check("num_kv_blocks", self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int)
+                                                                and self.num_kv_blocks >= 2), "None or an int >= 2")
+        check("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "(0, 1]")
+        check("cpu_kv_blocks", isinstance(self.cpu_kv_blocks, int) and self.cpu_kv_blocks >= 2, "an int >= 2")
+        check("max_num_seqs", isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096, "1..4096")
+        check("max_num_batched_tokens", isinstance(self.max_num_batched_tokens, int)
+              and self.max_num_batched_tokens >= 1, "an int >= 1")
+        check("max_model_len", self.max_model_len is None or (isinstance(self.max_model_len, int)
+                                                                and self.max_model_len >= 2), "None or an int >= 2")
+        check("mode", self.mode in MODES + ("auto",), f"{', '.join(MODES)} or auto")
+        check("attention_backend", self.attention_backend in ("auto", "torch", "triton"), "auto, torch, triton")
+        check("dtype", self.dtype in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
+              "auto, bfloat16, float16, float32")
+        check("max_capture_tokens", isinstance(self.max_capture_tokens, int) and self.max_capture_tokens >= 1,
+              "an int >= 1")
+        for name in ("cudagraph_buckets", "decode_buckets"):
+            value = getattr(self, name)
+            check(name, value is None or (len(value) > 0 and all(isinstance(b, int) and b >= 1 for b in value)),
+                  "None or a non-empty list of ints >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in kwargs:
+            if key not in names:
+                raise ConfigError(key, f"unknown EngineConfig field; allowed: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        import torch
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device", f"{self.device!r} asked for but CUDA is not available; use 'cpu'")
+        return self.device
+
+    def resolved_mode(self, device_type: str) -> str:
+        if self.mode == "auto":
+            return "full_and_piecewise" if device_type == "cuda" else "eager"
+        return self.mode
+
+    def resolved_async(self, device_type: str) -> bool:
+        return device_type == "cuda" if self.async_scheduling is None else bool(self.async_scheduling)
+
+    def torch_dtype(self, device_type: str):
+        import torch
+        table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                 "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+        if self.dtype == "auto":
+            return torch.bfloat16 if device_type == "cuda" else torch.float32
+        return table[self.dtype]
+
+
+__all__ = ["EngineConfig", "MODES", "default_buckets", "field"]

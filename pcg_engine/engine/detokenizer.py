@@ -1,0 +1,68 @@
+"""Incremental detokenization and stop strings.
+
+Decoding one token at a time is wrong for byte-level BPE: a multi-byte character (é, 中, an emoji)
+can span tokens, and decoding a token alone yields U+FFFD. We decode a short window of recent
+tokens and emit only the text past what was already emitted, holding back while the window ends
+in an incomplete character. Stop strings are searched in the newly produced text plus enough of
+the old to catch a stop string that straddles two deltas; the text is cut before the stop string.
+"""
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in (stop or []) if s]
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.tokens: list[int] = []
+        # Start the window a few prompt tokens back, so the first output token decodes in context
+        # (leading-space handling of some tokenizers depends on the previous token).
+        self.context = list(prompt_token_ids[-4:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.context)
+        self.text = ""
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token: int) -> str:
+        """Append one token; returns the new text it completes ('' while a character is split)."""
+        self.context.append(token)
+        self.tokens.append(token)
+        prefix = self._decode(self.context[self.prefix_offset:self.read_offset])
+        full = self._decode(self.context[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.context)
+        return self._append_text(delta)
+
+    def _append_text(self, delta: str) -> str:
+        if not self.stop:
+            self.text += delta
+            return delta
+        start = max(0, len(self.text) - self.max_stop_len + 1)
+        window = self.text[start:] + delta
+        cut = min((i for i in (window.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut < 0:
+            self.text += delta
+            return delta
+        self.stopped_by = next(s for s in self.stop if window.find(s) == cut)
+        new_text = (self.text[:start] + window[:cut])
+        emitted = new_text[len(self.text):] if len(new_text) > len(self.text) else ""
+        self.text = new_text
+        return emitted
+
+    def flush(self) -> str:
+        """At the end, emit whatever is held back (an incomplete character decodes as U+FFFD)."""
+        if self.read_offset < len(self.context) and self.stopped_by is None:
+            prefix = self._decode(self.context[self.prefix_offset:self.read_offset])
+            full = self._decode(self.context[self.prefix_offset:])
+            if len(full) > len(prefix):
+                self.read_offset = len(self.context)
+                return self._append_text(full[len(prefix):])
+        return ""

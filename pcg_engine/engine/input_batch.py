@@ -1,0 +1,200 @@
+"""The persistent input batch: per-request state in fixed rows, and the step's flat batch built from them.
+
+A request gets one row for its lifetime (preemption and finishing release it). The row holds its
+token ids and its block table on the host; a step writes only what changed (new tokens, appended
+blocks) and builds the flat batch with vectorised numpy gathers over the scheduled rows, no Python
+loop over tokens. The result goes through pinned staging buffers into static device buffers whose
+addresses never change: CUDA graphs captured over them stay valid, and the compiled model always
+sees views of the same storage.
+
+Staging is double-buffered: with async scheduling, step s+1 is prepared while step s may still be
+waiting to run its host-to-device copies, and those copies must not read a buffer being refilled.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pcg_engine.attention.metadata import AttentionMetadata
+from pcg_engine.engine.request import PLACEHOLDER
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch, as views of the static buffers, padded to num_tokens / num_reqs."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor      # flat rows whose hidden state samples (one per sampling request)
+    num_real_tokens: int
+    num_real_reqs: int
+    sample_rows: list                 # requests that sample this step, in logits order
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, max_num_tokens: int,
+                 device: torch.device):
+        self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
+        self.max_blocks = (max_model_len + block_size - 1) // block_size
+        self.max_num_tokens = max_num_tokens
+        self.device = device
+        self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
+        self.num_written = np.zeros(max_num_seqs, dtype=np.int64)     # tokens written into each row
+        self.block_table = np.zeros((max_num_seqs, self.max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self.sample_index = np.zeros(max_num_seqs, dtype=np.int64)  # row -> index in last step's tokens
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        pin = device.type == "cuda"
+        T, R = max_num_tokens, max_num_seqs
+
+        def dev(*shape, dtype, fill=0):
+            return torch.full(shape, fill, dtype=dtype, device=device)
+
+        # Static device buffers: graphs and compiled pieces read these addresses every step.
+        self.input_ids = dev(T, dtype=torch.long)
+        self.positions = dev(T, dtype=torch.long)
+        self.slot_mapping = dev(T, dtype=torch.long, fill=-1)
+        self.query_start_loc = dev(R + 1, dtype=torch.int32)
+        self.seq_lens = dev(R, dtype=torch.int32)
+        self.step_block_table = dev(R, self.max_blocks, dtype=torch.int32)
+        self.logits_indices = dev(R, dtype=torch.long)
+        # Pinned host staging, two sets used alternately; one int64 buffer per step for the flat
+        # arrays and one int32 buffer for the per-request ones keeps it to a few copies.
+        self._staging = [self._make_staging(pin) for _ in range(2)]
+        self._flip = 0
+
+    def _make_staging(self, pin):
+        T, R, B = self.max_num_tokens, self.max_num_seqs, self.max_blocks
+        return {"tok": torch.zeros(3 * T + R, dtype=torch.long, pin_memory=pin),
+                "req": torch.zeros(2 * R + 1 + R * B, dtype=torch.int32, pin_memory=pin)}
+
+    # ---- rows -------------------------------------------------------------------------------
+    def add(self, request) -> int:
+        if not self.free_rows:
+            raise RuntimeError("input batch is full (max_num_seqs rows in use)")
+        row = self.free_rows.pop()
+        self.row_of[request.request_id] = row
+        self.num_written[row] = 0
+        self.num_blocks[row] = 0
+        self.update(request)
+        return row
+
+    def remove(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def update(self, request, block_ids: list[int] | None = None) -> None:
+        """Append the tokens and blocks this row has not seen yet (placeholders stored as -1)."""
+        row = self.row_of[request.request_id]
+        start, end = int(self.num_written[row]), request.num_tokens
+        if end > start:
+            self.token_ids[row, start:end] = request.token_ids[start:end]
+            self.num_written[row] = end
+        if block_ids is None:
+            return
+        nb = int(self.num_blocks[row])
+        if len(block_ids) > nb:
+            self.block_table[row, nb:len(block_ids)] = block_ids[nb:]
+            self.num_blocks[row] = len(block_ids)
+        elif len(block_ids) < nb:  # blocks released (preemption): the row starts over
+            self.num_blocks[row] = len(block_ids)
+            self.block_table[row, :len(block_ids)] = block_ids
+
+    def set_token(self, request_id: str, index: int, token: int) -> None:
+        """A placeholder resolved on the host: record its real value in the row."""
+        row = self.row_of.get(request_id)
+        if row is not None and index < self.num_written[row]:
+            self.token_ids[row, index] = token
+
+    # ---- one step ---------------------------------------------------------------------------
+    def prepare(self, scheduled, pad_tokens_to: int | None = None, pad_reqs_to: int | None = None,
+                previous_tokens: torch.Tensor | None = None) -> StepInputs:
+        """scheduled: [(request, n)] in batch order. Returns the padded flat batch on the device.
+
+        previous_tokens (async scheduling): step s's sampled tokens on the device; a placeholder
+        input is filled from there, on the device.
+        """
+        R = len(scheduled)
+        rows = np.fromiter((self.row_of[r.request_id] for r, _ in scheduled), dtype=np.int64, count=R)
+        n = np.fromiter((k for _, k in scheduled), dtype=np.int64, count=R)
+        computed = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=R)
+        T = int(n.sum())
+        Tp = max(pad_tokens_to or T, T)
+        Rp = max(pad_reqs_to or R, R)
+        if Tp > self.max_num_tokens or Rp > self.max_num_seqs:
+            raise RuntimeError(f"step of {Tp} tokens / {Rp} requests exceeds the input batch")
+        qsl = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        tok_rows = np.repeat(rows, n)
+        positions = np.repeat(computed - qsl[:-1], n) + np.arange(T)
+        input_ids = self.token_ids[tok_rows, positions]
+        blocks = self.block_table[tok_rows, positions // self.block_size].astype(np.int64)
+        slots = blocks * self.block_size + positions % self.block_size
+        seq_lens = computed + n
+        sampling = (computed + n) == np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int64, count=R)
+        logits_idx = qsl[1:][sampling] - 1
+
+        stage = self._staging[self._flip]
+        self._flip ^= 1
+        tok = stage["tok"].numpy()
+        tok[:Tp] = 0
+        tok[:T] = np.maximum(input_ids, 0)   # placeholders are filled on the device below
+        tok[Tp:2 * Tp] = 0
+        tok[Tp:Tp + T] = positions
+        tok[2 * Tp:3 * Tp] = -1              # padding tokens write the scratch block
+        tok[2 * Tp:2 * Tp + T] = slots
+        S = len(logits_idx)
+        tok[3 * Tp:3 * Tp + S] = logits_idx
+        req = stage["req"].numpy()
+        req[:R + 1] = qsl
+        # Padding requests own one (padding) token each when the step is padded per request
+        # (full decode graphs); their seq_len 0 makes attention return zeros for them.
+        if Rp > R:
+            req[R + 1:Rp + 1] = np.minimum(T + np.arange(1, Rp - R + 1), Tp)
+        off = Rp + 1
+        req[off:off + R] = seq_lens
+        req[off + R:off + Rp] = 0
+        off += Rp
+        bt = req[off:off + Rp * self.max_blocks].reshape(Rp, self.max_blocks)
+        bt[:R] = self.block_table[rows]
+        bt[R:] = 0
+
+        d = self.device
+        stage_tok, stage_req = stage["tok"], stage["req"]
+        nb = d.type == "cuda"
+        self.input_ids[:Tp].copy_(stage_tok[:Tp], non_blocking=nb)
+        self.positions[:Tp].copy_(stage_tok[Tp:2 * Tp], non_blocking=nb)
+        self.slot_mapping[:Tp].copy_(stage_tok[2 * Tp:3 * Tp], non_blocking=nb)
+        self.logits_indices[:S].copy_(stage_tok[3 * Tp:3 * Tp + S], non_blocking=nb)
+        self.query_start_loc[:Rp + 1].copy_(stage_req[:Rp + 1], non_blocking=nb)
+        self.seq_lens[:Rp].copy_(stage_req[Rp + 1:2 * Rp + 1], non_blocking=nb)
+        self.step_block_table[:Rp].copy_(stage_req[2 * Rp + 1:2 * Rp + 1 + Rp * self.max_blocks]
+                                         .view(Rp, self.max_blocks), non_blocking=nb)
+
+        # Async scheduling: a placeholder input (-1 in the row) takes its real value from the
+        # previous step's sampled tokens, on the device: nothing is read back to the host.
+        ph = np.nonzero(input_ids == PLACEHOLDER)[0]
+        if len(ph):
+            if previous_tokens is None:
+                raise RuntimeError("a placeholder token is scheduled but no step is in flight")
+            src = self.sample_index[tok_rows[ph]]
+            dst_t = torch.from_numpy(ph).to(d, non_blocking=nb)
+            src_t = torch.from_numpy(src).to(d, non_blocking=nb)
+            self.input_ids.index_copy_(0, dst_t, previous_tokens.index_select(0, src_t))
+        # Where each row's sampled token will sit in this step's output, for the next step.
+        self.sample_index[rows[sampling]] = np.arange(int(sampling.sum()))
+
+        max_q = int(n.max()) if R else 0
+        meta = AttentionMetadata(
+            query_start_loc=self.query_start_loc[:Rp + 1], seq_lens=self.seq_lens[:Rp],
+            block_table=self.step_block_table[:Rp], slot_mapping=self.slot_mapping[:Tp],
+            num_reqs=Rp, num_tokens=Tp, max_query_len=max(max_q, 1 if Rp > R else 0),
+            max_seq_len=int(seq_lens.max()) if R else 0,
+            query_start_loc_cpu=torch.from_numpy(req[:Rp + 1].astype(np.int32).copy()),
+            seq_lens_cpu=torch.from_numpy(np.concatenate([seq_lens, np.zeros(Rp - R, np.int64)]).astype(np.int32)))
+        sample_rows = [r for (r, _), s in zip(scheduled, sampling.tolist()) if s]
+        return StepInputs(self.input_ids[:Tp], self.positions[:Tp], meta, self.logits_indices[:S], T, R, sample_rows)

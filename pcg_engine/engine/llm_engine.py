@@ -1,0 +1,274 @@
+"""The engine loop: admit requests, schedule a step, run it, sample, and turn tokens into outputs.
+
+Synchronous: plan s, launch s, read s's tokens, book-keep, plan s+1.
+Asynchronous (DESIGN.md, "Async scheduling"): plan s+1 and launch it *before* reading s's tokens.
+Each request that samples at s gets a PLACEHOLDER and its computed count advances at launch; the
+runner copies the real value into s+1's inputs on the device. The one host sync per step (reading
+s's tokens) then overlaps s+1's GPU work. A request that stopped at s has one wasted token in s+1,
+dropped on resolve. Both modes share `_launch` and `_resolve`; only their order differs.
+"""
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pcg_engine.config import EngineConfig
+from pcg_engine.engine.block_manager import BlockManager
+from pcg_engine.engine.detokenizer import IncrementalDetokenizer
+from pcg_engine.engine.model_runner import ModelRunner
+from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
+from pcg_engine.engine.sampler import Sampler, SamplingRow, SamplingTensors, make_generator
+from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
+from pcg_engine.engine.tokenizer import eos_token_ids, load_tokenizer
+from pcg_engine.errors import InvalidRequestError
+from pcg_engine.outputs import RequestMetrics, RequestOutput
+from pcg_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Inflight:
+    """A launched step whose sampled tokens are still on the device."""
+
+    sampled: object                                   # SamplerOutput
+    slots: list = field(default_factory=list)         # (request, index in token_ids) per sampled row
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    host_s: float = 0.0          # host time spent in step() outside the token read-back wait
+    sync_wait_s: float = 0.0
+    generated_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress=None):
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        if config.model is None:
+            from pcg_engine.models.checkpoint_maker import ensure_default_model
+            self.model_path = Path(ensure_default_model())
+        else:
+            self.model_path = Path(config.model)
+        self.runner = ModelRunner(config, self.model_path, self.device, progress)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        self.vocab_size = self.runner.vocab_size
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len), self.block_manager)
+        self.sampling = SamplingTensors.empty(config.max_num_seqs, self.vocab_size, self.device)
+        shared = torch.Generator(device=self.device)
+        shared.manual_seed(config.seed)
+        self.sampler = Sampler(shared)
+        self.async_scheduling = config.resolved_async(self.device.type)
+        self.inflight: Inflight | None = None
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer | None] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.logprobs: dict[str, list] = {}
+        self.pending_outputs: list[RequestOutput] = []
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | dict | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Validate and queue a request. Raises InvalidRequestError (naming the field) and adds nothing."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"expected SamplingParams or dict, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use by an unfinished request")
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]
+        n, L = len(ids), self.max_model_len
+        if n + params.max_tokens > L:
+            hint = f"1..{L - n}" if n < L else "none: the prompt alone fills max_model_len"
+            raise InvalidRequestError("max_tokens", f"prompt has {n} tokens and max_tokens is {params.max_tokens}, "
+                                      f"beyond max_model_len {L}; max_tokens allowed: {hint} (or set "
+                                      "truncate_prompt_tokens to shorten the prompt)")
+        params.validate_against_model(self.vocab_size)
+        request = Request(request_id, ids, params, arrival_time=arrival_time,
+                          eos_token_id=min(self.eos_token_ids) if self.eos_token_ids else None)
+        self.scheduler.check_request(request)
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        self.detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                                params.skip_special_tokens)
+                                         if params.detokenize or params.stop else None)
+        if params.seed is not None:
+            self.generators[request_id] = make_generator(params.seed, self.device)
+        if params.logprobs is not None:
+            self.logprobs[request_id] = []
+        return request_id
+
+    def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                if prompt == "":
+                    raise InvalidRequestError("prompt", "is empty; give at least one character or token")
+                prompt_token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            elif isinstance(prompt, (list, tuple)):
+                prompt_token_ids = prompt
+            else:
+                raise InvalidRequestError("prompt", f"expected a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "is empty; a request needs at least 1 token")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError("prompt_token_ids", f"token {t!r} at position {i} is outside the "
+                                          f"vocabulary; allowed: integers 0..{self.vocab_size - 1}")
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(str(request_id))
+        if request is None:
+            raise InvalidRequestError("request_id", f"{request_id!r} is not an unfinished request of this engine")
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self._forget(request)
+        self.pending_outputs.append(self._output(request, [], ""))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self.inflight is not None or bool(self.pending_outputs)
+
+    # ---- steps -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns outputs of requests that got tokens or finished."""
+        t0 = time.perf_counter()
+        wait0 = self.stats.sync_wait_s
+        plan = self.scheduler.schedule()
+        launched = self._launch(plan) if not plan.is_empty else None
+        outputs, self.pending_outputs = self.pending_outputs, []
+        if self.async_scheduling:
+            if self.inflight is not None:
+                outputs += self._resolve(self.inflight)
+            self.inflight = launched
+        elif launched is not None:
+            outputs += self._resolve(launched)
+        self.stats.host_s += time.perf_counter() - t0 - (self.stats.sync_wait_s - wait0)
+        return outputs
+
+    def _launch(self, plan) -> Inflight:
+        batch = self.runner.batch
+        self.stats.preemptions += len(plan.preempted)
+        for victim in plan.preempted:
+            self._release_row(victim)
+        for request, _ in plan.scheduled:
+            if request.request_id not in batch.row_of:
+                row = batch.add(request)
+                p = request.sampling_params
+                outputs = [t for t in request.output_token_ids if t != PLACEHOLDER]
+                self.sampling.write_rows([row], [SamplingRow(
+                    p, outputs, request.prompt_token_ids, self.generators.get(request.request_id),
+                    None if p.ignore_eos else sorted(self.eos_token_ids))])
+            batch.update(request, self.block_manager.block_table(request.request_id))
+        previous = self.inflight.sampled.token_ids if self.inflight is not None else None
+        logits, inputs = self.runner.execute(plan.scheduled, previous_tokens=previous)
+        self.scheduler.update_after_step(plan.scheduled)
+        rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
+        sampled = self.sampler(logits, self.sampling.select(rows))
+        self.sampling.record_sampled(sampled.token_ids, rows)
+        slots = []
+        for request in inputs.sample_rows:
+            slots.append((request, request.num_tokens))
+            request.append_output(PLACEHOLDER)
+            batch.update(request)   # the row learns of the placeholder (-1) too
+        self.stats.steps += 1
+        return Inflight(sampled, slots)
+
+    def _resolve(self, inflight: Inflight) -> list[RequestOutput]:
+        w0 = time.perf_counter()
+        values = inflight.sampled.token_ids.tolist()   # the one host sync of a step
+        self.stats.sync_wait_s += time.perf_counter() - w0
+        lps = self._logprob_lists(inflight.sampled)
+        now = time.monotonic()
+        outputs = []
+        for i, ((request, index), token) in enumerate(zip(inflight.slots, values)):
+            if request.is_finished or index >= request.num_tokens or request.token_ids[index] != PLACEHOLDER:
+                continue     # stopped or aborted while this step ran: its token is dropped
+            request.resolve_placeholder(index, token)
+            self.runner.batch.set_token(request.request_id, index, token)
+            self.stats.generated_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if lps is not None and request.request_id in self.logprobs:
+                self.logprobs[request.request_id].append(lps(i, token, request.sampling_params.logprobs))
+            detok = self.detokenizers.get(request.request_id)
+            delta = detok.add(token) if detok is not None else ""
+            status, reason = self._check_stop(request, index, token, detok)
+            if status is not None:
+                request.truncate(index + 1)   # drop the next step's speculative placeholder, if any
+                if detok is not None and detok.stopped_by is None:
+                    delta += detok.flush()
+                self.scheduler.finish_request(request, status, reason)
+                self._forget(request)
+            else:
+                self.block_manager.cache_full_blocks(request)
+            outputs.append(self._output(request, [token], delta))
+        return outputs
+
+    def _check_stop(self, request: Request, index: int, token: int, detok):
+        p = request.sampling_params
+        num_out = index + 1 - request.num_prompt_tokens
+        if not p.ignore_eos and token in self.eos_token_ids and num_out >= p.min_tokens:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in p.stop_token_ids and num_out >= p.min_tokens:
+            return RequestStatus.FINISHED_STOPPED, token
+        if detok is not None and detok.stopped_by is not None:
+            return RequestStatus.FINISHED_STOPPED, detok.stopped_by
+        if num_out >= p.max_tokens or index + 1 >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _logprob_lists(self, sampled):
+        if sampled.logprobs is None:
+            return None
+        chosen = sampled.logprobs.tolist()
+        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+
+        def entry(i, token, n):
+            top = list(zip(top_ids[i][:n], top_lps[i][:n])) if top_ids is not None and n else []
+            return {"token": token, "logprob": chosen[i], "top": top}
+        return entry
+
+    def _release_row(self, request: Request) -> None:
+        row = self.runner.batch.row_of.get(request.request_id)
+        if row is not None:
+            self.sampling.clear_rows([row])
+            self.runner.batch.remove(request.request_id)
+
+    def _forget(self, request: Request) -> None:
+        self._release_row(request)
+        self.requests.pop(request.request_id, None)
+        self.generators.pop(request.request_id, None)
+
+    def _output(self, request: Request, new_tokens: list[int], delta: str) -> RequestOutput:
+        detok = self.detokenizers.get(request.request_id)
+        if request.is_finished:
+            self.detokenizers.pop(request.request_id, None)
+        tokens = [t for t in request.output_token_ids if t != PLACEHOLDER]
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, token_ids=tokens,
+            text=detok.text if detok is not None else "", finished=request.is_finished,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                   request.finish_time, request.num_cached_tokens),
+            new_token_ids=new_tokens, new_text=delta,
+            logprobs=(self.logprobs.pop(request.request_id, None) if request.is_finished
+                      else self.logprobs.get(request.request_id)))

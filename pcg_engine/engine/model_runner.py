@@ -1,0 +1,136 @@
+"""The model runner: owns the model, its KV cache and the attention backend, and runs one step.
+
+A step arrives as [(request, num_new_tokens)]. The runner builds the flat batch from the
+persistent input batch, picks how to run it (DESIGN.md, "Modes") and returns the logits of the rows
+that sample:
+
+  eager               the model as written
+  compile             Inductor-compiled whole model, no graphs
+  piecewise           graph split at attention, pieces compiled and replayed as CUDA graphs per
+                      token-count bucket (the step padded to its bucket), attention eager between
+  full_decode         decode-only steps replay one graph of the whole forward per batch bucket;
+                      other steps run eagerly
+  full_and_piecewise  full graphs for decode-only steps, piecewise for the rest (the CUDA default)
+"""
+
+import time
+
+import torch
+
+from pcg_engine.attention.backend import kv_cache_shape, make_backend
+from pcg_engine.attention.context import ForwardContext, set_forward_context
+from pcg_engine.attention.rope import rope_cache
+from pcg_engine.config import EngineConfig, default_buckets
+from pcg_engine.engine.input_batch import InputBatch, StepInputs
+from pcg_engine.models.loader import load_model
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path, device: torch.device, progress=None):
+        self.config = config
+        self.device = device
+        self.timings: dict[str, float] = {}
+        self.dtype = config.torch_dtype(device.type)
+        t0 = time.perf_counter()
+        kernels = config.kernels if config.kernels is not None else device.type == "cuda"
+        self.model = load_model(model_path, device=device, dtype=self.dtype, fuse=config.fuse, kernels=kernels)
+        self.timings["weight_load_s"] = time.perf_counter() - t0
+        hf = self.model.config
+        self.hf_config = hf
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = config.max_model_len or min(getattr(hf, "max_position_embeddings", 4096), 4096)
+        self.num_layers = hf.num_hidden_layers
+        self.num_heads, self.num_kv_heads = hf.num_attention_heads, hf.num_key_value_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_heads
+        self.block_size = config.block_size
+        self.mode = config.resolved_mode(device.type)
+        theta = getattr(hf, "rope_theta", None) or (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 1e6)
+        self.cos_sin = rope_cache(self.head_dim, max(self.max_model_len, 2), theta, device=device)
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if device.type == "cuda" else "torch"
+        self.backend = make_backend(backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                    head_dim=self.head_dim, block_size=self.block_size, cos_sin=self.cos_sin)
+        if self.mode in ("full_decode", "full_and_piecewise") and not self.backend.cuda_graph_safe:
+            raise ValueError(f"mode: {self.mode!r} replays whole-step CUDA graphs and needs a graph-safe attention "
+                             f"backend; {self.backend.name!r} is not (use attention_backend='triton' or mode "
+                             "'piecewise')")
+        self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.max_num_tokens,
+                                device)
+        self.num_kv_blocks = self._num_kv_blocks()
+        shape = kv_cache_shape(self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        self.forward_fn = self.model.forward
+        self.token_buckets: list[int] = []
+        self.full_graphs = None
+        self._setup_mode(progress)
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return self.config.cpu_kv_blocks
+        # Profile a forward at the largest step (attention skipped: no metadata), then give the
+        # KV cache what the memory fraction leaves.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        T = self.max_num_tokens
+        ids = torch.zeros(T, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), set_forward_context(ForwardContext(None, [], self.backend)):
+            hidden = self.model(ids, ids)
+            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - peak - used_by_others - 512 * 2**20
+        per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize * self.num_layers
+        blocks = int(budget // per_block)
+        if blocks < 2:
+            raise RuntimeError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for the KV "
+                               f"cache (model peak {peak / 2**30:.1f} GiB)")
+        return blocks
+
+    def _setup_mode(self, progress):
+        mode = self.mode
+        if mode == "eager":
+            return
+        from pcg_engine.compile.setup import setup_compiled_modes
+        setup_compiled_modes(self, progress)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def context(self, inputs: StepInputs) -> ForwardContext:
+        return ForwardContext(inputs.metadata, self.kv_caches, self.backend)
+
+    def pick_padding(self, scheduled) -> tuple[int | None, int | None, str]:
+        """(pad_tokens_to, pad_reqs_to, path) for this step under the current mode."""
+        R = len(scheduled)
+        T = sum(n for _, n in scheduled)
+        if self.full_graphs is not None and T == R:
+            size = self.full_graphs.bucket_for(R)
+            if size is not None:
+                return size, size, "full"
+        if self.token_buckets and T <= self.token_buckets[-1]:
+            size = next(b for b in self.token_buckets if b >= T)
+            return size, None, "piecewise"
+        return None, None, "compiled" if self.forward_fn is not self.model.forward else "eager"
+
+    @torch.inference_mode()
+    def execute(self, scheduled, previous_tokens: torch.Tensor | None = None):
+        """Run one step. Returns (logits [S, V] float32 of the sampling rows, StepInputs)."""
+        pad_t, pad_r, path = self.pick_padding(scheduled)
+        inputs = self.batch.prepare(scheduled, pad_tokens_to=pad_t, pad_reqs_to=pad_r,
+                                    previous_tokens=previous_tokens)
+        self.last_path = path
+        if path == "full":
+            hidden = self.full_graphs.run(inputs, self)
+        else:
+            with set_forward_context(self.context(inputs)):
+                hidden = self.forward_fn(inputs.input_ids, inputs.positions)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return logits, inputs
+
+
+__all__ = ["ModelRunner", "default_buckets"]

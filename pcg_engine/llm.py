@@ -1,0 +1,80 @@
+"""The user-facing API: `LLM(model, **config).generate(prompts, params)` and streaming.
+
+    llm = LLM("path/to/checkpoint", max_num_seqs=64)
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+    for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=64)):
+        print(delta.new_text, end="")
+
+Keyword arguments are EngineConfig fields; an unknown one is refused by name.
+"""
+
+from collections.abc import Iterator, Sequence
+
+from pcg_engine.config import EngineConfig
+from pcg_engine.engine.llm_engine import LLMEngine
+from pcg_engine.outputs import RequestOutput
+from pcg_engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, progress=None, **config):
+        self.config = EngineConfig.from_kwargs(model=None if model is None else str(model), **config)
+        self.engine = LLMEngine(self.config, progress=progress)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_output=None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        Every prompt is validated before any is queued, so one bad prompt raises (naming its
+        field) without running the others half-way."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_list(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            while self.engine.has_unfinished_requests():   # drain the aborts
+                self.engine.step()
+            raise
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[rid] for rid in ids]
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield one output per step that brought this request new tokens, the last one finished.
+
+        Other requests added to the engine meanwhile keep running alongside."""
+        rid = self.engine.add_request(prompt, sampling_params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if rid in self.engine.requests:    # the caller stopped early: don't leak its blocks
+                self.engine.abort_request(rid)
+
+    @staticmethod
+    def _params_list(params, n):
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, (SamplingParams, dict)):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            from pcg_engine.errors import InvalidRequestError
+            raise InvalidRequestError("sampling_params", f"{len(params)} given for {n} prompts; give one or {n}")
+        return params

@@ -1,0 +1,181 @@
+"""Load a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory into the flat model.
+
+The model is built on the meta device, given empty storage on the target device, and filled
+tensor by tensor from the safetensors shards (opened on the target device), so a large model is
+never copied whole through host memory. Loading never executes checkpoint code: configs go through
+transformers' own config classes (no trust_remote_code) and pickled `.bin` weights are refused.
+Every failure names the file and the tensor or field; a failed load leaves no model behind.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pcg_engine.errors import CheckpointError
+from pcg_engine.models.fuse import fuse as fuse_model
+from pcg_engine.models.qwen3 import Qwen3ForCausalLM
+
+SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def load_config(path: Path):
+    """config.json through transformers' config class for its model_type, after our own checks."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing (a Hugging Face checkpoint needs config.json)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object")
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED), None)
+    if arch is None:
+        raise CheckpointError(f"{cfg_file}: field 'architectures' is {archs!r}; supported: {sorted(SUPPORTED)}")
+    if raw.get("model_type") != SUPPORTED[arch]:
+        raise CheckpointError(f"{cfg_file}: field 'model_type' is {raw.get('model_type')!r}; "
+                              f"{arch} needs {SUPPORTED[arch]!r}")
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # transformers raises several types for bad fields
+        raise CheckpointError(f"{cfg_file}: rejected by transformers ({e})") from None
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "vocab_size", "rms_norm_eps"):
+        value = getattr(config, field, None)
+        if value is None or value <= 0:
+            raise CheckpointError(f"{cfg_file}: field {field!r} must be > 0, got {value!r}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise CheckpointError(f"{cfg_file}: num_attention_heads ({config.num_attention_heads}) must be a "
+                              f"multiple of num_key_value_heads ({config.num_key_value_heads})")
+    return config
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: invalid index ({e!r})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: listed in {index.name} but missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickled:
+        raise CheckpointError(f"{path}: only pickled weights found ({', '.join(pickled)}); they can execute "
+                              "code when loaded and are refused. Convert them to safetensors.")
+    raise CheckpointError(f"{path}: no *.safetensors weight files")
+
+
+class _Targets:
+    """Maps checkpoint tensor names to (parameter, slice) and tracks which ones were filled."""
+
+    def __init__(self, model):
+        self.params = dict(model.named_parameters())
+        self.expected: dict[str, tuple] = {}
+        for name, p in self.params.items():
+            if name.endswith(".w13"):
+                prefix, E, I2 = name[: -len(".w13")], p.shape[0], p.shape[1]
+                for e in range(E):
+                    self.expected[f"{prefix}.experts.{e}.gate_proj.weight"] = (name, e, slice(0, I2 // 2))
+                    self.expected[f"{prefix}.experts.{e}.up_proj.weight"] = (name, e, slice(I2 // 2, I2))
+            elif name.endswith(".w2"):
+                prefix = name[: -len(".w2")]
+                for e in range(p.shape[0]):
+                    self.expected[f"{prefix}.experts.{e}.down_proj.weight"] = (name, e, slice(None))
+            else:
+                self.expected[name] = (name, None, slice(None))
+        self.tied = getattr(model, "tie_word_embeddings", False)
+        self.filled: set[str] = set()
+
+    def resolve(self, key: str):
+        """(parameter name, view) for checkpoint tensor `key`, None to skip, or KeyError."""
+        if key in self.expected:
+            name, e, rows = self.expected[key]
+            p = self.params[name]
+            return key, (p.data[e][rows] if e is not None else p.data)
+        m = _FUSED_EXPERTS.match(key)  # transformers 5's own stacked-experts layout
+        if m:
+            name = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
+            if name in self.params:
+                return name, self.params[name].data
+        if self.tied and key == "lm_head.weight":
+            return None
+        if key.endswith("rotary_emb.inv_freq"):
+            return None
+        raise KeyError(key)
+
+    def mark(self, key: str):
+        if key.endswith(".w13") or key.endswith(".w2"):
+            prefix = key.rsplit(".", 1)[0]
+            kind = key.rsplit(".", 1)[1]
+            names = [k for k, v in self.expected.items() if v[0] == f"{prefix}.{kind}"]
+            self.filled.update(names)
+        else:
+            self.filled.add(key)
+
+    def missing(self) -> list[str]:
+        return sorted(set(self.expected) - self.filled)
+
+
+@torch.no_grad()
+def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool | None = None):
+    """Checkpoint directory -> ready flat model on `device` (fused unless fuse=False)."""
+    path = Path(path)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = load_config(path)
+    files = weight_files(path)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    targets = _Targets(model)
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device=str(device))
+        except Exception as e:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+        with handle:
+            for key in handle.keys():
+                try:
+                    resolved = targets.resolve(key)
+                except KeyError:
+                    raise CheckpointError(f"{file}: unexpected tensor {key!r} (not part of "
+                                          f"{type(model).__name__} for this config)") from None
+                if resolved is None:
+                    continue
+                name, dest = resolved
+                try:
+                    tensor = handle.get_tensor(key)
+                except Exception as e:
+                    raise CheckpointError(f"{file}: tensor {key!r} unreadable ({e})") from None
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                                          f"config.json implies {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                targets.mark(name)
+    missing = targets.missing()
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: missing tensors {shown}")
+    model.eval()
+    if fuse:
+        fuse_model(model, kernels=device.type == "cuda" if kernels is None else kernels)
+    model.checkpoint_path = path
+    return model

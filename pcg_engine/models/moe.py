@@ -1,0 +1,51 @@
+"""Qwen3-MoE's sparse block: a softmax router picks top-k experts per token, weights normalised.
+
+Expert weights are stacked at load time the way the fused MoE kernel wants them: `w13` [E, 2I, D]
+(gate rows then up rows) and `w2` [E, D, I]. With kernels on, one grouped-GEMM per projection runs
+them (`pcg::fused_moe`); without, a per-expert PyTorch loop (the reference, and the unfused
+baseline of the benchmarks). The loop learns each expert's tokens on the host, so it is wrapped in
+a custom op: Dynamo keeps it as one opaque node instead of breaking the graph at it.
+"""
+
+import torch
+from torch import nn
+
+from pcg_engine.kernels.fused_moe import fused_moe_ref
+
+
+@torch.library.custom_op("pcg::moe_experts_ref", mutates_args=())
+def moe_experts_ref(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return fused_moe_ref(h, w13, w2, weights, ids)
+
+
+@moe_experts_ref.register_fake
+def _(h, w13, w2, weights, ids):
+    return torch.empty_like(h)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        E, D, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts, self.top_k, self.intermediate = E, config.num_experts_per_tok, I
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.gate = nn.Linear(D, E, bias=False)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.w2 = nn.Parameter(torch.empty(E, D, I))
+        self.use_kernels = False
+
+    def route(self, h: torch.Tensor):
+        logits = self.gate(h)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(h.dtype), ids
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(h)
+        if self.use_kernels:
+            import pcg_engine.kernels.ops  # noqa: F401  (registers torch.ops.pcg.fused_moe)
+            return torch.ops.pcg.fused_moe(h, self.w13, self.w2, weights, ids)
+        return torch.ops.pcg.moe_experts_ref(h, self.w13, self.w2, weights, ids)

@@ -1,0 +1,139 @@
+"""Qwen3 (dense) and Qwen3-MoE as flat models: forward(input_ids [T], positions [T]) -> hidden [T, D].
+
+A flat batch mixes prefill chunks and decodes of many requests; everything that says which rows
+belong to which request reaches attention through the forward context (DESIGN.md, "Flat batch").
+The LM head is a separate call (`compute_logits`) on the rows that sample, outside the graphed region.
+
+The projections start unfused, named like the checkpoint; `pcg_engine.models.fuse` rewrites them
+after load (Q/K/V -> qkv_proj, gate/up -> gate_up_proj, expert gate/up -> w13), so this file
+handles both layouts through `project_qkv` and `gate_up`.
+"""
+
+import torch
+from torch import nn
+
+import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.attention)
+from pcg_engine.models.layers import RMSNorm, silu_and_mul
+from pcg_engine.models.moe import SparseMoE
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.q_size, bias=False)
+        self.k_proj = nn.Linear(hidden, self.kv_size, bias=False)
+        self.v_proj = nn.Linear(hidden, self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def project_qkv(self, h: torch.Tensor):
+        if hasattr(self, "qkv_proj"):
+            return self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(h)
+        T = h.shape[0]
+        # Per-head RMSNorm: normalise each head_dim slice (a view of [T * heads, head_dim]).
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
+        v = v.contiguous()
+        out = torch.empty_like(q)
+        torch.ops.pcg.attention(q, k, v, positions, out, self.layer_idx)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.use_kernels = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate_up = self.gate_up_proj(h)
+        else:
+            gate_up = torch.cat([self.gate_proj(h), self.up_proj(h)], dim=-1)
+        return self.down_proj(silu_and_mul(gate_up, self.use_kernels))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        if is_moe_layer(config, layer_idx):
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, h, residual):
+        # The residual add is fused into the next norm: (h, residual) -> (norm(h + residual), h + residual).
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+def is_moe_layer(config, layer_idx: int) -> bool:
+    if getattr(config, "num_experts", 0) in (0, None):
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions):
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """The flat model. Also serves Qwen3-MoE: the MLP of each layer is chosen from the config."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.fused = False
+        self.kernels = False
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, D] hidden states of the sampling rows -> [N, vocab] float32 logits."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
