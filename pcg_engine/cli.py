@@ -1,0 +1,154 @@
+"""The `pcg` command: generate, make-model, bench.
+
+    pcg generate --prompt "Hello"                  # bundled tiny model, built on first use
+    pcg generate --model DIR --prompt hi --stream
+    pcg make-model --preset qwen3-0.6b --out DIR
+    pcg bench {latency,throughput,load-test,overhead,profile,kernels} ...
+"""
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="generate text from prompts")
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled tiny model)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line, or JSONL with a 'prompt' field")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.add_argument("--json", action="store_true", help="machine-readable output, one JSON object per prompt")
+    p.add_argument("--mode", default="auto", help="eager, compile, full_decode, piecewise, full_and_piecewise, auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for line in f:
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith("{"):
+                    obj = json.loads(line)
+                    if "prompt" not in obj:
+                        raise SystemExit(f"--prompts-file: JSONL line without a 'prompt' field: {line[:80]}")
+                    prompts.append(obj["prompt"])
+                else:
+                    prompts.append(line)
+    if not prompts:
+        raise SystemExit("give --prompt (repeatable) or --prompts-file")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from pcg_engine.errors import PcgError
+    from pcg_engine.llm import LLM
+    from pcg_engine.sampling_params import SamplingParams
+
+    err = Console(stderr=True)
+    prompts = _read_prompts(args)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        config = dict(device=args.device, dtype=args.dtype, mode=args.mode, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
+        t0 = time.perf_counter()
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=err, transient=True, disable=args.json) as progress:
+            task = progress.add_task("loading model" + (" and capturing graphs" if args.mode != "eager" else ""))
+            llm = LLM(args.model, progress=progress, **config)
+            progress.update(task, completed=1)
+        load_s = time.perf_counter() - t0
+        if args.chat:
+            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                         add_generation_prompt=True) for p in prompts]
+        t1 = time.perf_counter()
+        if args.stream:
+            outs = []
+            for prompt in prompts:
+                final = None
+                for delta in llm.stream(prompt, params):
+                    if not args.json:
+                        sys.stdout.write(delta.new_text)
+                        sys.stdout.flush()
+                    final = delta
+                if not args.json:
+                    sys.stdout.write("\n")
+                outs.append(final)
+        else:
+            outs = llm.generate(prompts, params)
+        gen_s = time.perf_counter() - t1
+    except PcgError as e:
+        err.print(f"[red]error:[/red] {e}")
+        return 2
+    for prompt, out in zip(prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason,
+                              "ttft_s": out.metrics.ttft,
+                              "e2e_s": (out.metrics.finish_time or 0) - out.metrics.arrival_time}))
+        elif not args.stream:
+            print(out.text)
+    ntok = sum(len(o.token_ids) for o in outs)
+    ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
+    err.print(f"[dim]{len(outs)} prompts, {ntok} tokens in {gen_s:.2f} s ({ntok / max(gen_s, 1e-9):.1f} tok/s), "
+              f"mean TTFT {1000 * sum(ttfts) / max(len(ttfts), 1):.1f} ms, load {load_s:.1f} s, "
+              f"mode {llm.engine.runner.mode}, device {llm.engine.device}[/dim]")
+    return 0
+
+
+def _add_make_model(sub):
+    from pcg_engine.models.checkpoint_maker import add_arguments, run
+    p = sub.add_parser("make-model", help="write a Hugging Face checkpoint with random weights at a preset's shapes")
+    add_arguments(p)
+    p.set_defaults(func=lambda a: (print(run(a)), 0)[1])
+
+
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="benchmarks: latency, throughput, load-test, overhead, profile, kernels")
+    p.add_argument("name", help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    import importlib
+    table = {"latency": "pcg_engine.bench.latency", "throughput": "pcg_engine.bench.throughput",
+             "load-test": "pcg_engine.bench.load_test", "overhead": "pcg_engine.bench.overhead",
+             "profile": "pcg_engine.bench.profile", "kernels": "pcg_engine.bench.kernels"}
+    if args.name not in table:
+        raise SystemExit(f"pcg bench: unknown benchmark {args.name!r}; choose from {', '.join(table)}")
+    module = importlib.import_module(table[args.name])
+    return module.main(args.rest) or 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pcg", description="pcg-engine: fast LLM inference on one GPU")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_model(sub)
+    _add_bench(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
