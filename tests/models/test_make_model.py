@@ -1,0 +1,197 @@
+"""The checkpoint maker writes directories that transformers itself loads, offline, unchanged."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pcg_engine.errors import ConfigError
+from pcg_engine.models import checkpoint_maker as cm
+from pcg_engine.models import presets, tokenizer_maker
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+TINY = ("tiny-qwen3", "tiny-qwen3-moe")
+TEXT = "Héllo wörld, naïve café — 你好，世界 🙂🚀👩‍💻 def f(x): return x ** 2\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    return {p: cm.make_checkpoint(p, tmp_path_factory.mktemp(p)) for p in TINY}
+
+
+def read_tensors(path):
+    files = sorted(path.glob("*.safetensors"))
+    out = {}
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                assert k not in out, f"{k} stored twice"
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def test_tokenizer_loads_offline_and_round_trips(tiny_dirs):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dirs["tiny-qwen3"])
+    ids = tokenizer_maker.special_token_ids()
+    assert len(tok) == presets.TINY_VOCAB
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == ids["eos_token_id"] == 2
+    assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id == ids["pad_token_id"] == 0
+    assert tok.convert_tokens_to_ids("<|im_start|>") == ids["im_start_token_id"] == 1
+    enc = tok.encode(TEXT)
+    assert tok.decode(enc) == TEXT
+    assert max(enc) < presets.TINY_VOCAB
+    # Specials are single tokens, never split into bytes.
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>")[-1] == 2
+
+
+def test_chat_template_renders_qwen_style(tiny_dirs):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dirs["tiny-qwen3"])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 你好"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                    "<|im_start|>user\nhéllo 你好<|im_end|>\n<|im_start|>assistant\n")
+    assert not tok.apply_chat_template(messages, tokenize=False).endswith("assistant\n")
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_transformers_loads_with_no_missing_or_unexpected_keys(tiny_dirs, preset):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs[preset], output_loading_info=True)
+    assert type(model).__name__ == presets.get_preset(preset).fields["architectures"][0]
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    specs = cm.tensor_specs(presets.get_preset(preset).fields)
+    stored = read_tensors(tiny_dirs[preset])
+    assert [n for n, _, _ in specs] == list(dict.fromkeys(n for n, _, _ in specs))
+    assert {n: tuple(s) for n, s, _ in specs} == {k: tuple(v.shape) for k, v in stored.items()}
+    assert all(v.dtype == torch.float32 for v in stored.values())
+    assert ("lm_head.weight" in stored) == (preset == "tiny-qwen3-moe")  # only the dense one is tied
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_tiny_models_generate_varied_peaked_greedy_text(tiny_dirs, preset):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs[preset])
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dirs[preset])
+    prompt = tok("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
+    out = model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[0, prompt.shape[1]:]
+    assert len(set(new.tolist())) >= 10, new.tolist()
+    probs = torch.cat(out.logits).softmax(-1)
+    assert probs.max(-1).values.median() > 0.5  # peaked: greedy has a clear winner most steps
+
+
+def test_generation_config_matches_tokenizer(tiny_dirs):
+    d = tiny_dirs["tiny-qwen3"]
+    gen = json.loads((d / "generation_config.json").read_text())
+    cfg = json.loads((d / "config.json").read_text())
+    assert gen["eos_token_id"] == [2, 0] and gen["pad_token_id"] == 0 and gen["bos_token_id"] == 0
+    assert cfg["eos_token_id"] == 2 and cfg["vocab_size"] == presets.TINY_VOCAB
+    # Published spellings next to transformers 5's, for readers of raw config.json.
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 1e6
+    assert cfg["torch_dtype"] == "float32"
+
+
+def test_same_seed_same_bytes_other_seed_differs(tiny_dirs, tmp_path):
+    parser = cm.add_arguments(__import__("argparse").ArgumentParser())
+    again = cm.run(parser.parse_args(["--preset", "tiny-qwen3", "--out", str(tmp_path / "a")]))
+    first = tiny_dirs["tiny-qwen3"]
+    assert (again / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()
+    assert (again / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    name, shape, kind = cm.tensor_specs(presets.get_preset("tiny-qwen3").fields)[2]
+    a = cm.make_tensor(name, shape, kind, True, 0, torch.float32, "cpu")
+    assert torch.equal(a, read_tensors(first)[name])
+    assert not torch.equal(a, cm.make_tensor(name, shape, kind, True, 1, torch.float32, "cpu"))
+
+
+def test_sharding_covers_every_tensor_once_and_loads(tiny_dirs, tmp_path):
+    d = cm.make_checkpoint("tiny-qwen3-moe", tmp_path, max_shard_size="100KB")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shards = sorted(d.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (d / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    seen = []
+    for s in shards:
+        with safe_open(str(s), "pt") as sf:
+            keys = list(sf.keys())
+            assert all(index["weight_map"][k] == s.name for k in keys)
+            assert len(keys) == 1 or sum(sf.get_tensor(k).nbytes for k in keys) <= 100_000
+            seen += keys
+    assert sorted(seen) == sorted(index["weight_map"]) and len(seen) == len(set(seen))
+    tensors = read_tensors(d)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    # Values do not depend on sharding.
+    whole = read_tensors(tiny_dirs["tiny-qwen3-moe"])
+    assert all(torch.equal(tensors[k], whole[k]) for k in whole)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"])
+
+
+def test_bf16_override_writes_bf16(tmp_path):
+    d = cm.make_checkpoint("tiny-qwen3", tmp_path, dtype="bf16", seed=3)
+    assert all(t.dtype == torch.bfloat16 for t in read_tensors(d).values())
+    assert json.loads((d / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+PUBLISHED = {
+    # layers, hidden, heads, kv heads, head_dim, intermediate, tied, parameters (published)
+    "qwen3-0.6b": (28, 1024, 16, 8, 128, 3072, True, 596_049_920),
+    "qwen3-8b": (36, 4096, 32, 8, 128, 12288, False, 8_190_735_360),
+    "qwen3-30b-a3b": (48, 2048, 32, 4, 128, 6144, False, 30_532_122_624),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_large_presets_have_published_shapes(preset):
+    layers, hidden, heads, kv, head_dim, inter, tied, params = PUBLISHED[preset]
+    cfg = presets.config_json(preset)
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"],
+            cfg["tie_word_embeddings"]) == (layers, hidden, heads, kv, head_dim, inter, tied)
+    assert cfg["vocab_size"] == 151936 and cfg["rope_theta"] == 1e6 and cfg["rms_norm_eps"] == 1e-6
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["max_position_embeddings"] == 40960
+    if preset == "qwen3-30b-a3b":
+        assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (128, 8, 768)
+        assert cfg["norm_topk_prob"] is True and cfg["mlp_only_layers"] == []
+    # Shapes only: the HF model on the meta device allocates nothing.
+    config = presets.hf_config(preset)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    hf = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    ours = sum(math.prod(s) for _, s, _ in cm.tensor_specs(presets.get_preset(preset).fields))
+    assert hf == ours == params
+
+
+def test_shards_plan_like_transformers():
+    specs = [("a", (10,), "norm"), ("b", (30,), "norm"), ("c", (100,), "norm"), ("d", (5,), "norm")]
+    plan = cm.plan_shards(specs, torch.float32, 160)
+    assert [[s[0] for s in shard] for shard in plan] == [["a", "b"], ["c"], ["d"]]
+    assert cm.parse_size("2GB") == 2 * 10**9 and cm.parse_size("1KiB") == 1024 and cm.parse_size(7) == 7
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"preset": "qwen4"}, "preset"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"max_shard_size": "lots"}, "max_shard_size"),
+    ({"seed": -1}, "seed"),
+    ({"device": "tpu"}, "device"),
+])
+def test_bad_arguments_name_the_field(tmp_path, kwargs, field):
+    args = {"preset": "tiny-qwen3", "out_dir": tmp_path, **kwargs}
+    with pytest.raises(ConfigError, match=field):
+        cm.make_checkpoint(**args)
+
+
+def test_ensure_default_model_builds_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = cm.ensure_default_model()
+    assert path == cm.default_model_dir() and path.is_relative_to(tmp_path)
+    assert path.name.startswith("tiny-qwen3-") and (path / "model.safetensors").exists()
+    stamp = os.stat(path / "model.safetensors").st_mtime_ns
+    assert cm.ensure_default_model() == path
+    assert os.stat(path / "model.safetensors").st_mtime_ns == stamp
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp dir left behind
