@@ -20,7 +20,7 @@ from pcg_engine.engine.block_manager import BlockManager
 from pcg_engine.engine.detokenizer import IncrementalDetokenizer
 from pcg_engine.engine.model_runner import ModelRunner
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
-from pcg_engine.engine.sampler import Sampler, SamplingRow, SamplingTensors, make_generator
+from pcg_engine.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors, make_generator
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import eos_token_ids, load_tokenizer
 from pcg_engine.errors import InvalidRequestError
@@ -75,6 +75,10 @@ class LLMEngine:
         self.pending_outputs: list[RequestOutput] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
+        # Rows whose sampling needs more than an argmax (temperature, penalties, min_tokens,
+        # logprobs). While none is in the batch, sampling is one argmax kernel: at batch 256 the
+        # full sampler's per-step gathers would cost more host time than the decode step.
+        self._full_sampler_rows: set[int] = set()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | dict | None = None,
@@ -176,13 +180,18 @@ class LLMEngine:
                 self.sampling.write_rows([row], [SamplingRow(
                     p, outputs, request.prompt_token_ids, self.generators.get(request.request_id),
                     None if p.ignore_eos else sorted(self.eos_token_ids))])
+                if not _plain_greedy(p):
+                    self._full_sampler_rows.add(row)
             batch.update(request, self.block_manager.block_table(request.request_id))
         previous = self.inflight.sampled.token_ids if self.inflight is not None else None
         logits, inputs = self.runner.execute(plan.scheduled, previous_tokens=previous)
         self.scheduler.update_after_step(plan.scheduled)
         rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
-        sampled = self.sampler(logits, self.sampling.select(rows))
-        self.sampling.record_sampled(sampled.token_ids, rows)
+        if self._full_sampler_rows:
+            sampled = self.sampler(logits, self.sampling.select(rows))
+            self.sampling.record_sampled(sampled.token_ids, rows)
+        else:
+            sampled = SamplerOutput(token_ids=logits.argmax(dim=-1))
         slots = []
         for request in inputs.sample_rows:
             slots.append((request, request.num_tokens))
@@ -251,6 +260,7 @@ class LLMEngine:
         row = self.runner.batch.row_of.get(request.request_id)
         if row is not None:
             self.sampling.clear_rows([row])
+            self._full_sampler_rows.discard(row)
             self.runner.batch.remove(request.request_id)
 
     def _forget(self, request: Request) -> None:
@@ -272,3 +282,9 @@ class LLMEngine:
             new_token_ids=new_tokens, new_text=delta,
             logprobs=(self.logprobs.pop(request.request_id, None) if request.is_finished
                       else self.logprobs.get(request.request_id)))
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Sampling that is exactly an argmax of the raw logits (min_tokens 0, no penalties, no logprobs)."""
+    return (p.greedy and p.logprobs is None and p.min_tokens == 0 and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
