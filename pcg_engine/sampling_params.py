@@ -1,0 +1,162 @@
+"""Sampling parameters of one request, checked when they are made (DESIGN.md, "Bad input").
+
+Every refusal is an InvalidRequestError naming the field and the range it may hold, so a client
+can fix its request; nothing here touches the batch the request would have joined.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from pcg_engine.errors import InvalidRequestError
+
+# Temperatures below this are treated as greedy: dividing float32 logits by them overflows to inf
+# (then NaN in softmax), and the distribution they describe is argmax to float32 precision anyway.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _is_int(v: Any) -> bool:
+    # bool is an int subclass; `True` for max_tokens is a client bug, not a 1.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_int(name: str, v: Any, lo: int | None, hi: int | None, rng: str) -> None:
+    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidRequestError(name, f"must be an integer {rng}, got {v!r}")
+
+
+def _check_float(name: str, v: Any, ok, rng: str) -> float:
+    if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v) or not ok(v):
+        raise InvalidRequestError(name, f"must be a finite number {rng}, got {v!r}")
+    return float(v)
+
+
+def _check_bool(name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise InvalidRequestError(name, f"must be true or false, got {v!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request. Defaults give plain sampling at temperature 1."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
+        self.temperature = _check_float("temperature", self.temperature, lambda v: v >= 0,
+                                        ">= 0 (0 means greedy)")
+        self.top_p = _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise InvalidRequestError(
+                "top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        self.min_p = _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _check_float(name, getattr(self, name),
+                                             lambda v: -2 <= v <= 2, "in [-2, 2]"))
+        if self.seed is not None:
+            _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX,
+                       f"in [{_SEED_MIN}, {_SEED_MAX}] or null")
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        _check_bool("ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
+                       f"in [0, {MAX_LOGPROBS}] or null")
+        _check_int("min_tokens", self.min_tokens, 0, None, ">= 0")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens}")
+        _check_bool("detokenize", self.detokenize)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None,
+                       ">= 1 or null")
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise InvalidRequestError(
+                "stop", f"must be a non-empty string or a list of them, got {stop!r}")
+        for s in items:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(
+                    "stop", f"must be a non-empty string or a list of non-empty strings, "
+                    f"got item {s!r}")
+        return list(items)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise InvalidRequestError(
+                "stop_token_ids", f"must be a list of integers >= 0, got {ids!r}")
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise InvalidRequestError(
+                    "stop_token_ids", f"must be a list of integers >= 0, got item {t!r}")
+        return list(ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+        """Build from a client's mapping (e.g. a JSON body); unknown names are refused, not dropped,
+        since a silently ignored typo ("temprature") gives the client wrong output with no hint."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise InvalidRequestError("sampling_params", f"must be an object, got {d!r}")
+        allowed = cls.field_names()
+        for name in d:
+            if name not in allowed:
+                raise InvalidRequestError(
+                    str(name), f"unknown sampling parameter; allowed: {', '.join(allowed)}")
+        return cls(**d)
+
+    @classmethod
+    def from_kwargs(cls, **kw: Any) -> SamplingParams:
+        return cls.from_dict(kw)
+
+    def validate_against_model(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must index its vocabulary, or the sampler's
+        scatter would fault on the device and take the whole batch with it."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequestError(
+                    "stop_token_ids", f"must be in [0, {vocab_size - 1}] (the model's vocabulary),"
+                    f" got {t}")

@@ -1,0 +1,108 @@
+import math
+
+import pytest
+
+from pcg_engine.errors import InvalidRequestError
+from pcg_engine.sampling_params import SamplingParams
+
+# (field, bad value, a piece of the range the message must state)
+BAD = [
+    ("max_tokens", 0, ">= 1"), ("max_tokens", -3, ">= 1"), ("max_tokens", 1.5, ">= 1"),
+    ("max_tokens", True, ">= 1"), ("max_tokens", "16", ">= 1"), ("max_tokens", None, ">= 1"),
+    ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"),
+    ("temperature", math.inf, ">= 0"), ("temperature", "1", ">= 0"), ("temperature", None, ">= 0"),
+    ("top_p", 0.0, "(0, 1]"), ("top_p", -0.5, "(0, 1]"), ("top_p", 1.01, "(0, 1]"),
+    ("top_p", math.nan, "(0, 1]"), ("top_p", False, "(0, 1]"),
+    ("top_k", 0, ">= 1"), ("top_k", -2, ">= 1"), ("top_k", 2.0, ">= 1"), ("top_k", None, ">= 1"),
+    ("min_p", -0.01, "[0, 1]"), ("min_p", 1.5, "[0, 1]"), ("min_p", math.inf, "[0, 1]"),
+    ("repetition_penalty", 0.0, "> 0"), ("repetition_penalty", -1.0, "> 0"),
+    ("repetition_penalty", math.nan, "> 0"),
+    ("presence_penalty", -2.01, "[-2, 2]"), ("presence_penalty", 3, "[-2, 2]"),
+    ("presence_penalty", math.nan, "[-2, 2]"),
+    ("frequency_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -5, "[-2, 2]"),
+    ("frequency_penalty", "0", "[-2, 2]"),
+    ("seed", 1.5, "null"), ("seed", "7", "null"), ("seed", True, "null"),
+    ("seed", 2**64, "null"), ("seed", -(2**63) - 1, "null"),
+    ("stop", "", "non-empty"), ("stop", ["ok", ""], "non-empty"), ("stop", [3], "non-empty"),
+    ("stop", 5, "non-empty"), ("stop", {"a": 1}, "non-empty"),
+    ("stop_token_ids", [-1], ">= 0"), ("stop_token_ids", [1, 2.0], ">= 0"),
+    ("stop_token_ids", [True], ">= 0"), ("stop_token_ids", 5, ">= 0"),
+    ("stop_token_ids", "12", ">= 0"),
+    ("ignore_eos", 1, "true or false"), ("ignore_eos", "yes", "true or false"),
+    ("logprobs", -1, "[0, 20]"), ("logprobs", 21, "[0, 20]"), ("logprobs", 2.0, "[0, 20]"),
+    ("logprobs", True, "[0, 20]"),
+    ("min_tokens", -1, ">= 0"), ("min_tokens", 1.0, ">= 0"), ("min_tokens", 17, "max_tokens=16"),
+    ("detokenize", 0, "true or false"), ("detokenize", None, "true or false"),
+    ("truncate_prompt_tokens", 0, ">= 1"), ("truncate_prompt_tokens", -5, ">= 1"),
+    ("truncate_prompt_tokens", 3.0, ">= 1"),
+    ("skip_special_tokens", "true", "true or false"),
+]
+
+
+@pytest.mark.parametrize("field,value,rng", BAD, ids=[f"{f}={v!r}" for f, v, _ in BAD])
+def test_invalid_value_names_field_and_range(field, value, rng):
+    for make in (lambda: SamplingParams(**{field: value}),
+                 lambda: SamplingParams.from_dict({field: value})):
+        with pytest.raises(InvalidRequestError) as e:
+            make()
+        assert e.value.field == field
+        msg = str(e.value)
+        assert msg.startswith(f"{field}:")
+        assert rng in msg, msg
+
+
+def test_every_field_has_a_refused_value():
+    tested = {f for f, _, _ in BAD}
+    assert tested == set(SamplingParams.field_names())
+
+
+def test_unknown_field_is_refused_and_lists_allowed():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_dict({"temperature": 0.5, "temprature": 0.5})
+    assert e.value.field == "temprature"
+    for name in SamplingParams.field_names():
+        assert name in str(e.value)
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_kwargs(best_of=2)
+    assert e.value.field == "best_of"
+
+
+def test_from_dict_refuses_non_mapping():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_dict([("temperature", 1.0)])
+    assert e.value.field == "sampling_params"
+
+
+def test_defaults_are_valid():
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (16, 1.0, 1.0, -1, 0.0)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert p.seed is None and p.stop == [] and p.stop_token_ids == []
+    assert not p.ignore_eos and p.logprobs is None and p.min_tokens == 0
+    assert p.detokenize and p.truncate_prompt_tokens is None and p.skip_special_tokens
+    assert not p.greedy
+    assert SamplingParams.from_dict(None) == p == SamplingParams.from_kwargs()
+
+
+def test_valid_edges_and_normalisation():
+    p = SamplingParams.from_kwargs(
+        max_tokens=1, temperature=0, top_p=1, top_k=1, min_p=1, repetition_penalty=0.01,
+        presence_penalty=-2, frequency_penalty=2, seed=0, stop="###", stop_token_ids=(5, 0),
+        ignore_eos=True, logprobs=20, min_tokens=1, truncate_prompt_tokens=1)
+    assert p.greedy and p.stop == ["###"] and p.stop_token_ids == [5, 0]
+    assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(logprobs=0).logprobs == 0
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=0.01).greedy
+    assert SamplingParams(top_k=-1, max_tokens=4, min_tokens=4).min_tokens == 4
+
+
+def test_validate_against_model():
+    p = SamplingParams(stop_token_ids=[0, 99])
+    p.validate_against_model(100)
+    with pytest.raises(InvalidRequestError) as e:
+        p.validate_against_model(99)
+    assert e.value.field == "stop_token_ids" and "[0, 98]" in str(e.value)
