@@ -1,0 +1,107 @@
+"""Fused RoPE + paged KV write: one launch rotates q and k and stores k, v into the cache.
+
+Unfused, this is four kernels (rotate q, rotate k, write k, write v) and two temporaries per
+layer per step; fused, each token's q, k and v are read once and written once. The grid is one
+program per flat token (T, a bucket value), and nothing is read back to the host, so the launch
+is the same on every replay of a CUDA graph.
+
+Contracts kept (see rope.py / torch_backend.py): rotate-half RoPE computed in fp32 with
+cos_sin [max_pos, D] (cos in the first half, sin in the second); the cache is
+[2, num_blocks, block_size, Hk, D]; slot -1 (a padding token) is written to slot 0 of the scratch
+block 0, exactly as write_kv's clamp does, so a padding row never needs a branch on the host.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_cs,
+    stride_c_kv, stride_c_blk, stride_c_tok, stride_c_h,
+    max_pos,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+
+    # A padding row may carry any position; clamping keeps the cos/sin read in bounds (its
+    # result lands in scratch and is never attended to), so a stray value cannot fault a replay.
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d)[None, :]
+
+    # q: all heads of the token at once, [HQ_PAD, HALF] per half.
+    hq = tl.arange(0, HQ_PAD)[:, None]
+    mq = hq < NUM_HEADS
+    src = q_ptr + t * stride_qt + hq * stride_qh + d[None, :]
+    x1 = tl.load(src, mask=mq, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mq, other=0.0).to(tl.float32)
+    dst = q_out_ptr + t * stride_ot + hq * stride_oh + d[None, :]
+    out_ty = q_out_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mq)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mq)
+
+    # k rotated and v as-is, straight into the paged cache at this token's slot.
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.maximum(slot, 0)  # -1 -> scratch block 0, offset 0 (write_kv's clamp)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    base = cache_ptr + blk * stride_c_blk + off * stride_c_tok
+    hk = tl.arange(0, HK_PAD)[:, None]
+    mk = hk < NUM_KV_HEADS
+    cache_ty = cache_ptr.dtype.element_ty
+
+    src = k_ptr + t * stride_kt + hk * stride_kh + d[None, :]
+    x1 = tl.load(src, mask=mk, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mk, other=0.0).to(tl.float32)
+    # Round to k's own dtype first, like the reference (apply_rope then write_kv's cast).
+    k_ty = k_ptr.dtype.element_ty
+    r1 = (x1 * cos - x2 * sin).to(k_ty).to(cache_ty)
+    r2 = (x2 * cos + x1 * sin).to(k_ty).to(cache_ty)
+    kdst = base + hk * stride_c_h + d[None, :]
+    tl.store(kdst, r1, mask=mk)
+    tl.store(kdst + HALF, r2, mask=mk)
+
+    dfull = tl.arange(0, HEAD_DIM)[None, :]
+    vv = tl.load(v_ptr + t * stride_vt + hk * stride_vh + dfull, mask=mk, other=0.0)
+    tl.store(base + stride_c_kv + hk * stride_c_h + dfull, vv.to(cache_ty), mask=mk)
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k and v [T, Hk, D] (last dim contiguous; rows may be strided views of a fused
+    qkv), positions [T], slot_mapping [T]; kv_cache [2, NB, BS, Hk, D].
+
+    Writes rotated k and v into kv_cache and returns rotated q (into q_out [T, Hq, D] if given,
+    which may be q itself: each element is read before it is written by the same program).
+    """
+    T, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
+    assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_dim and kv_cache.stride(4) == 1
+    if q_out is None:
+        q_out = torch.empty_like(q)
+    if T == 0:
+        return q_out
+    _rope_kv_kernel[(T,)](
+        q, k, v, positions, cos_sin, slot_mapping, kv_cache, q_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        cos_sin.shape[0],
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HQ_PAD=triton.next_power_of_2(num_heads), HK_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
+        num_warps=4 if num_heads * head_dim >= 2048 else 1,
+    )
+    return q_out

@@ -1,0 +1,340 @@
+"""One Triton paged-attention kernel for a flat batch of prefill chunks and decodes mixed.
+
+Work unit: (q-block, kv head). A q-block is up to BLOCK_Q consecutive query tokens of ONE request;
+its M dimension packs those tokens times the GQA group (all query heads that share the kv head),
+so each K/V tile is loaded once for the whole group: for decode the group fills the tl.dot's M
+dim (padded to 16) and the kernel is a pure stream over the KV cache.
+
+Grid: (cdiv(T, BLOCK_Q) + num_reqs + 1, Hk, num_splits). Request r's q-blocks get the virtual ids
+qsl[r] // BLOCK_Q + r + j; those ranges never overlap and stay below the grid size, so a program
+searches query_start_loc for its request and leaves if it has no block. The extra id range after
+the last request covers rows qsl[R]..T, which are zeroed (padding rows). Decode-only steps
+(max_query_len <= 1) use (num_reqs + cdiv(T, BLOCK_Q), Hk, num_splits): program r < R is request
+r, no search; the rest zero the padding rows. T, num_reqs, max_query_len and the shapes decide
+the grid; everything read from the device (query_start_loc, seq_lens, block_table) only decides
+what a program does, so the launch is CUDA-graph safe.
+
+Split-KV (flash-decoding): with few programs and long contexts, a third grid axis cuts each
+program's key range into num_splits equal parts computed on the device from seq_len; partial
+results (normalized output + log2-sum-exp) are merged by a second small kernel. The kernels are
+graph-safe for any fixed num_splits; the caller chooses num_splits from host values
+(choose_num_splits), which is why the backend only splits when it is told it is not capturing.
+
+Contract (torch_backend.paged_attention_reference): causal within the chunk, request r's queries
+are the last n of its seq_len positions; seq_len 0 -> zeros; query_start_loc[0] == 0.
+"""
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 64
+SEARCH_BLOCK = 128  # requests per vector load when a program looks up its request
+# Triton's CPU interpreter computes bf16 tl.dot on the raw bits (garbage); there, and only there,
+# bf16 operands are upcast to fp32 so the CPU tests still check the kernel's logic in bf16.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, tile_lo, tile_hi, kv_end,
+                  stride_blk, stride_tok, qk_scale,
+                  TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False only for tiles that lie
+    entirely below every query position of the block and below kv_end (no compare needed)."""
+    d = tl.arange(0, HEAD_DIM)
+    for tile in range(tile_lo, tile_hi):
+        n = tile * TILE_N + tl.arange(0, TILE_N)
+        in_seq = n < kv_end
+        if BLOCK_SIZE % TILE_N == 0:  # the whole tile sits in one paged block: one scalar lookup
+            blk = tl.load(bt_row + (tile * TILE_N) // BLOCK_SIZE).to(tl.int64)
+            tok_off = blk * stride_blk + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
+        else:  # several paged blocks per tile: a per-token gather of block ids (L1-resident)
+            if MASKED:
+                blk = tl.load(bt_row + n // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+            tok_off = blk * stride_blk + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
+        if MASKED:
+            k = tl.load(k_base + tok_off[None, :] + d[:, None], mask=in_seq[None, :], other=0.0)
+            v = tl.load(v_base + tok_off[:, None] + d[None, :], mask=in_seq[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + tok_off[None, :] + d[:, None])  # [D, TILE_N]
+            v = tl.load(v_base + tok_off[:, None] + d[None, :])  # [TILE_N, D]
+        k = k.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * qk_scale
+        if MASKED:
+            s = tl.where((n[None, :] <= q_pos[:, None]) & in_seq[None, :], s, float("-inf"))
+        # m_i starts finite (-1e30), so a fully masked row gives p = exp2(-inf) = 0, never NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, part_out_ptr, part_lse_ptr,
+    num_tokens, num_reqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_tok, stride_c_h, stride_bt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, SEARCH: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if DECODE:
+        # Every request has at most one query (<= BLOCK_Q): program pid < R is request pid, the
+        # rest cover the padding rows after the last request. No search, so the loads of q,
+        # seq_len and the block table do not wait on one another.
+        r = tl.minimum(pid, num_reqs)
+    else:
+        # r = the largest request in [0, num_reqs] whose first virtual q-block id
+        # qsl[r] // BLOCK_Q + r is <= pid. Those ids strictly increase with r, so r + 1 = how
+        # many of them are <= pid: a vector load and a count (one memory round trip for up to
+        # SEARCH requests), not a chain of log2(R) dependent loads as a binary search would be.
+        count = num_reqs * 0
+        for c in range(0, num_reqs + 1, SEARCH):
+            idx = c + tl.arange(0, SEARCH)
+            first = tl.load(qsl_ptr + idx, mask=idx <= num_reqs, other=0) // BLOCK_Q + idx
+            count += tl.sum(((first <= pid) & (idx <= num_reqs)).to(tl.int32), 0)
+        r = count - 1
+    is_req = r < num_reqs  # r == num_reqs: the padding rows after the last request
+    q_begin = tl.load(qsl_ptr + r)
+    q_end = tl.where(is_req, tl.load(qsl_ptr + tl.minimum(r + 1, num_reqs)), num_tokens)
+    seq_len = tl.where(is_req, tl.load(seq_lens_ptr + tl.minimum(r, num_reqs - 1)), 0)
+    q_len = q_end - q_begin
+    if DECODE:
+        j = tl.maximum(pid - num_reqs, 0)
+    else:
+        j = pid - (q_begin // BLOCK_Q + r)
+    if j * BLOCK_Q >= q_len:
+        return
+
+    # Rows: BLOCK_Q tokens x GROUP_PAD heads of this kv head.
+    context = seq_len - q_len  # KV positions before this chunk
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_local = j * BLOCK_Q + offs_m // GROUP_PAD
+    head = kvh * GROUP + offs_m % GROUP_PAD
+    row_ok = (tok_local < q_len) & (offs_m % GROUP_PAD < GROUP)
+    tok = (q_begin + tok_local).to(tl.int64)
+    q_pos = context + tok_local
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+
+    # Causal key range of the block, and the prefix below its first query that needs no mask.
+    kv_end = tl.maximum(tl.minimum(seq_len, context + tl.minimum(q_len, (j + 1) * BLOCK_Q)), 0)
+    full_end = tl.maximum(tl.minimum(context + j * BLOCK_Q + 1, kv_end), 0)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    num_full = full_end // TILE_N
+    if NUM_SPLITS > 1:  # equal shares of this request's tiles, decided on the device
+        per = tl.cdiv(num_tiles, NUM_SPLITS)
+        t_lo = split * per
+        t_hi = tl.minimum(t_lo + per, num_tiles)
+    else:
+        t_lo = 0
+        t_hi = num_tiles
+
+    k_base = cache_ptr + kvh * stride_c_h
+    v_base = k_base + stride_c_kv
+    bt_row = bt_ptr + tl.minimum(r, num_reqs - 1).to(tl.int64) * stride_bt
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos,
+                                  t_lo, tl.minimum(t_hi, num_full), kv_end,
+                                  stride_c_blk, stride_c_tok, qk_scale,
+                                  TILE_N, BLOCK_SIZE, HEAD_DIM, False, IEEE)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos,
+                                  tl.maximum(t_lo, num_full), t_hi, kv_end,
+                                  stride_c_blk, stride_c_tok, qk_scale,
+                                  TILE_N, BLOCK_SIZE, HEAD_DIM, True, IEEE)
+
+    # l == 0: no key at all (seq_len 0, padding rows, an empty split) -> zeros, not 0/0.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS > 1:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        prow = split * stride_ps + tok * stride_pt + head * stride_ph
+        tl.store(part_out_ptr + prow[:, None] + d[None, :], o, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+    else:
+        dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr,
+                         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h, mask=s < NUM_SPLITS,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty -> weights 0, output 0
+    w = tl.exp2(lse - m)
+    o = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    w_sum = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
+
+
+def _tile_config(head_dim: int, group: int, max_query_len: int):
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages) from host values fixed per bucket."""
+    group_pad = triton.next_power_of_2(group)
+    if max_query_len <= 1:  # decode: the GQA group is the M dim, padded to tl.dot's minimum 16
+        block_m = max(16, group_pad)
+        tile_n = 64 if head_dim <= 128 else 32
+        return block_m, block_m // group_pad, tile_n, 4, 2
+    cap = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
+    block_m = max(group_pad, min(cap, max(16, triton.next_power_of_2(max_query_len) * group_pad)))
+    tile_n = 64 if head_dim <= 128 else 32
+    return block_m, block_m // group_pad, tile_n, 4, 2
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int,
+                      head_dim: int, max_query_len: int, max_seq_len: int, device) -> int:
+    """Splits so that small batches with long contexts still fill the GPU. Host values only;
+    max_seq_len changes per step, so a graph-captured step must not use this (pass 1)."""
+    block_m, block_q, tile_n, _, _ = _tile_config(head_dim, num_heads // num_kv_heads, max_query_len)
+    busy = min(num_reqs + num_tokens // block_q, num_tokens) * num_kv_heads  # programs with work
+    target = 2 * _num_sms(device)
+    if busy >= target // 2:
+        return 1
+    tiles = triton.cdiv(max_seq_len, tile_n)
+    splits = min(triton.cdiv(target, max(busy, 1)), tiles // 2, MAX_SPLITS)  # >= 2 tiles a split
+    return max(1, splits)
+
+
+def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                      num_reqs: int, max_query_len: int, scale: float, num_splits: int = 1) -> None:
+    """q, out [T, Hq, D] (last dim contiguous); kv_cache [2, NB, BS, Hk, D]; query_start_loc [>=R+1],
+    seq_lens [>=R], block_table [>=R, W] int32 on the device. Writes every row of out."""
+    T, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
+    assert num_heads % num_kv_heads == 0 and q.stride(2) == 1 and out.stride(2) == 1
+    assert kv_cache.stride(4) == 1 and block_table.stride(1) == 1
+    if T == 0:
+        return
+    if num_reqs == 0:  # nothing but padding rows
+        out.zero_()
+        return
+    group = num_heads // num_kv_heads
+    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(head_dim, group, max_query_len)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    decode = max_query_len <= 1  # grid: R request programs, then the padding-row programs
+    grid = (triton.cdiv(T, block_q) + num_reqs + (0 if decode else 1), num_kv_heads, num_splits)
+    if num_splits > 1:
+        part_out = torch.empty((num_splits, T, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, T, num_heads), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _unified_attention_kernel[grid](
+        q, kv_cache, out, query_start_loc, seq_lens, block_table, part_out, part_lse,
+        T, num_reqs, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_M=block_m, BLOCK_Q=block_q,
+        TILE_N=tile_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        IEEE=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16), SEARCH=SEARCH_BLOCK, DECODE=decode,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(T, num_heads)](
+            part_out, part_lse, out,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+
+
+def attention_bench_rows(device="cuda", dtype=torch.bfloat16):
+    """Times the attention kernels at the shapes the performance targets name (CUDA only).
+
+    Returns rows (name, shape, microseconds per call, throughput string): "GB/s" for decode (KV
+    bytes + q/out bytes over the time; the ceiling is the ~4.25 TB/s copy rate) and "TFLOP/s" for
+    prefill (causal QK^T + PV flops). Device time per call: N calls are captured in one CUDA graph
+    (host launch cost excluded, as in a graphed step) over inputs rotated so that no call finds
+    its KV in L2 (48+ MB between reuses); block tables are random permutations of the blocks.
+    """
+    from triton.testing import do_bench
+
+    rows = []
+    D, bs = 128, 16
+
+    def setup(batch, ctx, qlen, Hq, Hk):
+        nblk = batch * triton.cdiv(ctx, bs)
+        cache = torch.randn(2, nblk + 1, bs, Hk, D, device=device, dtype=dtype)
+        table = (torch.randperm(nblk, device=device) + 1).view(batch, -1).to(torch.int32)
+        qsl = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * qlen
+        lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+        q = torch.randn(batch * qlen, Hq, D, device=device, dtype=dtype)
+        return q, cache, qsl, lens, table, torch.empty_like(q)
+
+    def time_us(batch, ctx, qlen, Hq, Hk, splits):
+        kv_bytes = 2 * batch * ctx * Hk * D * torch.finfo(dtype).bits // 8
+        sets = [setup(batch, ctx, qlen, Hq, Hk) for _ in range(max(1, min(8, 2 + (256 << 20) // kv_bytes)))]
+        calls = 8 * len(sets) if len(sets) > 1 else 4
+
+        def run():
+            for i in range(calls):
+                q, cache, qsl, lens, table, out = sets[i % len(sets)]
+                unified_attention(q, cache, out, qsl, lens, table, batch, qlen, D ** -0.5, splits)
+
+        run()  # compile, and allocate split buffers outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        us = do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / calls
+        del graph, sets
+        return us
+
+    for batch, ctx, Hq, Hk in ((64, 2048, 16, 8), (64, 2048, 32, 8), (1, 8192, 16, 8), (1, 8192, 32, 8)):
+        splits_auto = choose_num_splits(batch, batch, Hq, Hk, D, 1, ctx, torch.device(device))
+        for splits in sorted({1, splits_auto}):
+            us = time_us(batch, ctx, 1, Hq, Hk, splits)
+            nbytes = (2 * batch * ctx * Hk * D + 2 * batch * Hq * D) * (torch.finfo(dtype).bits // 8)
+            rows.append((f"decode_attention splits={splits}", f"B{batch} ctx{ctx} Hq{Hq} Hk{Hk} D{D}", us,
+                         f"{nbytes / us / 1e3:.0f} GB/s"))
+    for batch, ctx, Hq, Hk in ((4, 2048, 16, 8), (4, 2048, 32, 8)):
+        us = time_us(batch, ctx, ctx, Hq, Hk, 1)
+        flops = 4 * batch * Hq * D * ctx * (ctx + 1) / 2
+        rows.append(("prefill_attention", f"B{batch} len{ctx} Hq{Hq} Hk{Hk} D{D}", us,
+                     f"{flops / us / 1e6:.1f} TFLOP/s"))
+    return rows

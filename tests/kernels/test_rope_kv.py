@@ -1,0 +1,72 @@
+"""The fused RoPE + KV-write kernel against apply_rope + write_kv (fresh random data every run)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported (also done by tests/kernels/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from pcg_engine.attention.rope import apply_rope, rope_cache  # noqa: E402
+from pcg_engine.attention.rope_kv import rope_and_write_kv  # noqa: E402
+from pcg_engine.attention.torch_backend import write_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(T, Hq, Hk, D, dtype, block_size, num_blocks, num_pad, fused):
+    max_pos = 64
+    cos_sin = rope_cache(D, max_pos, 10000.0, device=DEVICE)
+    if fused:  # q, k, v as strided column slices of one fused qkv output, as the model gives them
+        qkv = torch.randn(T, (Hq + 2 * Hk) * D, device=DEVICE, dtype=dtype)
+        q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        q, k, v = q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+    else:
+        q = torch.randn(T, Hq, D, device=DEVICE, dtype=dtype)
+        k = torch.randn(T, Hk, D, device=DEVICE, dtype=dtype)
+        v = torch.randn(T, Hk, D, device=DEVICE, dtype=dtype)
+    positions = torch.randint(0, max_pos, (T,), device=DEVICE)
+    # distinct real slots outside the scratch block 0; the last num_pad tokens are padding (-1)
+    slots = torch.randperm((num_blocks - 1) * block_size, device=DEVICE)[:T] + block_size
+    slots[T - num_pad:] = -1
+    cache = torch.randn(2, num_blocks, block_size, Hk, D, device=DEVICE).to(dtype)
+    return q, k, v, positions, cos_sin, slots, cache
+
+
+@pytest.mark.parametrize("T,Hq,Hk,D,dtype,block_size,num_pad,fused", [
+    (7, 4, 2, 32, torch.float32, 4, 2, True),
+    (5, 2, 2, 64, torch.bfloat16, 16, 1, False),
+    (1, 3, 1, 32, torch.float16, 16, 0, True),   # a single token, heads not a power of two
+    (4, 4, 1, 16, torch.float32, 4, 4, False),   # all padding
+])
+def test_rope_kv_matches_reference(T, Hq, Hk, D, dtype, block_size, num_pad, fused):
+    q, k, v, positions, cos_sin, slots, cache = _case(T, Hq, Hk, D, dtype, block_size, 6, num_pad, fused)
+    ref_cache = cache.clone()
+    ref_q = apply_rope(q, positions, cos_sin)
+    write_kv(apply_rope(k, positions, cos_sin), v, ref_cache, slots)
+
+    q_out = torch.full_like(q, float("nan"))
+    got = rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots, q_out=q_out)
+    assert got is q_out
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, ref_q, **tol)
+    # Real blocks must match exactly what the reference wrote, and nothing else may change.
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], **tol)
+    # Padding writes land in scratch block 0 at offset 0 (which padding token wins is unordered).
+    torch.testing.assert_close(cache[:, 0, 1:], ref_cache[:, 0, 1:], atol=0, rtol=0)
+    if num_pad:
+        pad_k = apply_rope(k, positions, cos_sin)[T - num_pad:].to(dtype)
+        hit = [(cache[0, 0, 0] - pk).abs().max() <= 2e-2 for pk in pad_k]
+        assert any(hit)
+
+
+def test_rope_kv_in_place_and_new_tensor():
+    q, k, v, positions, cos_sin, slots, cache = _case(6, 4, 2, 32, torch.float32, 4, 8, 0, False)
+    ref_q = apply_rope(q, positions, cos_sin)
+    fresh = rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots)  # new tensor
+    torch.testing.assert_close(fresh, ref_q, atol=1e-5, rtol=1e-5)
+    q_in = q.clone()
+    rope_and_write_kv(q_in, k, v, positions, cos_sin, cache, slots, q_out=q_in)  # in place
+    torch.testing.assert_close(q_in, ref_q, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,204 @@
+"""The unified paged-attention kernel and the Triton backend against the torch reference.
+
+On the CPU the kernels run under TRITON_INTERPRET=1 (slow), so shapes are tiny; the gpu-marked
+tests use real shapes and CUDA-graph capture. Fresh random data on every run, outputs poisoned
+with NaN before each call so an unwritten element fails.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported (also done by tests/kernels/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from pcg_engine.attention.metadata import AttentionMetadata  # noqa: E402
+from pcg_engine.attention.rope import rope_cache  # noqa: E402
+from pcg_engine.attention.torch_backend import TorchAttentionBackend, paged_attention_reference  # noqa: E402
+from pcg_engine.attention import triton_attention  # noqa: E402
+from pcg_engine.attention.triton_attention import unified_attention  # noqa: E402
+from pcg_engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_batch(specs, num_tokens, block_size, Hq, Hk, D, dtype, width=None, num_blocks=None, device=DEVICE):
+    """specs: [(query_len, seq_len)] per request; num_tokens >= sum of query lens (the rest is padding).
+    Block tables are random distinct blocks (never the scratch block 0); the cache is random."""
+    qlens = [n for n, _ in specs]
+    need = [(s + block_size - 1) // block_size for _, s in specs]
+    width = width or max(need + [1])
+    num_blocks = num_blocks or 1 + sum(need) + 2
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    table = torch.zeros(len(specs), width, dtype=torch.int32)
+    for r, nb in enumerate(need):
+        table[r, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+    qsl = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(qlens).cumsum(0)
+    seq_lens = torch.tensor([s for _, s in specs], dtype=torch.int32)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+    for r, (n, s) in enumerate(specs):
+        for i, p in enumerate(range(s - n, s)):
+            if p >= 0:
+                slots[qsl[r] + i] = int(table[r, p // block_size]) * block_size + p % block_size
+    meta = AttentionMetadata(
+        query_start_loc=qsl.to(device), seq_lens=seq_lens.to(device), block_table=table.to(device),
+        slot_mapping=slots.to(device), num_reqs=len(specs), num_tokens=num_tokens,
+        max_query_len=max(qlens + [1]), max_seq_len=max([s for _, s in specs] + [0]),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+    cache = torch.randn(2, num_blocks, block_size, Hk, D, device=device).to(dtype)
+    q = torch.randn(num_tokens, Hq, D, device=device).to(dtype)
+    return q, cache, meta
+
+
+def reference(q, cache, meta, scale):
+    ref = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    paged_attention_reference(q, cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
+                              meta.block_table, scale, ref)
+    return ref
+
+
+def check(out, ref, tol):
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite output"
+    err = (out.float() - ref).norm() / ref.norm().clamp_min(1e-6)
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+# (specs, padding tokens, block_size, Hq, Hk, D, dtype, num_splits)
+CASES = {
+    # prefill from scratch, a chunk continuing a cached prefix, decodes, a single-token request
+    "mixed_gqa2": ([(5, 21), (1, 17), (7, 7), (1, 1), (3, 70)], 0, 4, 4, 2, 32, torch.float32, 1),
+    # lengths exactly on block (16) and tile (64) boundaries, GQA 1, head_dim 64
+    "boundaries": ([(16, 32), (1, 16), (1, 17), (16, 16), (1, 64), (2, 65)], 0, 16, 2, 2, 64, torch.float32, 1),
+    # padding requests (seq_len 0) and padding rows past the last request
+    "padding": ([(2, 10), (1, 0), (1, 0)], 3, 4, 4, 1, 32, torch.float32, 1),
+    # several q-blocks per request (GQA 4 -> BLOCK_Q 32), causal across q-blocks
+    "long_chunk": ([(40, 100), (1, 9)], 1, 16, 4, 1, 32, torch.float32, 1),
+    "bf16_decode": ([(1, 33), (1, 130), (1, 5), (1, 0)], 1, 16, 4, 2, 32, torch.bfloat16, 1),
+    # split-KV: empty splits, seq_len 0 and a split count above the tile count
+    "split_decode": ([(1, 200), (1, 3), (1, 0), (1, 129)], 1, 4, 4, 2, 32, torch.float32, 3),
+    # more requests than one chunk of the request search (shrunk to 4 below), head_dim 16, random lengths
+    "many_requests": ([(int(n) % 3, int(n)) for n in torch.randint(0, 40, (11,))], 2, 4, 2, 1, 16, torch.float32, 1),
+    "split_mixed": ([(3, 140), (1, 66)], 2, 16, 2, 1, 64, torch.float16, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_unified_attention_matches_reference(name, monkeypatch):
+    if name == "many_requests":
+        monkeypatch.setattr(triton_attention, "SEARCH_BLOCK", 4)
+    specs, pad, bs, Hq, Hk, D, dtype, splits = CASES[name]
+    T = sum(n for n, _ in specs) + pad
+    q, cache, meta = make_batch(specs, T, bs, Hq, Hk, D, dtype)
+    scale = D ** -0.5
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                      meta.num_reqs, meta.max_query_len, scale, num_splits=splits)
+    check(out, reference(q, cache, meta, scale), 1e-4 if dtype == torch.float32 else 1e-2)
+    assert (out[T - pad:] == 0).all(), "rows past the last request must be zero"
+    for r, (n, s) in enumerate(specs):
+        if s == 0:
+            assert (out[meta.query_start_loc_cpu[r]:meta.query_start_loc_cpu[r] + n] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_matches_torch_backend(dtype):
+    Hq, Hk, D, bs = 4, 2, 32, 4
+    specs = [(3, 11), (1, 6), (1, 0)]
+    T = sum(n for n, _ in specs) + 1
+    _, cache, meta = make_batch(specs, T, bs, Hq, Hk, D, dtype)
+    cos_sin = rope_cache(D, 64, 10000.0, device=DEVICE)
+    q = torch.randn(T, Hq * D, device=DEVICE).to(dtype)
+    k = torch.randn(T, Hk * D, device=DEVICE).to(dtype)
+    v = torch.randn(T, Hk * D, device=DEVICE).to(dtype)
+    positions = torch.randint(0, 64, (T,), device=DEVICE)
+    for r, (n, s) in enumerate(specs):  # real positions for real tokens
+        qs = int(meta.query_start_loc_cpu[r])
+        positions[qs:qs + n] = torch.arange(s - n, s, device=DEVICE).clamp_min(0)
+    kw = dict(num_heads=Hq, num_kv_heads=Hk, head_dim=D, block_size=bs, cos_sin=cos_sin)
+    ref_cache, ref_out = cache.clone(), torch.zeros(T, Hq * D, device=DEVICE, dtype=dtype)
+    TorchAttentionBackend(**kw).forward(q, k, v, positions, ref_out, ref_cache, meta)
+    out = torch.full((T, Hq * D), float("nan"), device=DEVICE, dtype=dtype)
+    backend = TritonAttentionBackend(**kw)
+    assert backend.name == "triton" and backend.cuda_graph_safe
+    backend.forward(q, k, v, positions, out, cache, meta)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    check(out.view(T, Hq, D), ref_out.float().view(T, Hq, D), tol)
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------- GPU: real shapes, CUDA graphs
+
+REAL = [
+    ("decode_64x2048", [(1, 2048)] * 64, 16, 8),
+    ("decode_1x8192_gqa4", [(1, 8192)], 32, 8),
+    ("prefill_4x512_mixed", [(512, 512)] * 2 + [(256, 768)] * 2 + [(1, 1000)] * 12 + [(1, 0)] * 2, 16, 8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,specs,Hq,Hk", REAL, ids=[r[0] for r in REAL])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits", [1, "auto"])
+def test_gpu_real_shapes(name, specs, Hq, Hk, dtype, splits):
+    from pcg_engine.attention.triton_attention import choose_num_splits
+    D, bs = 128, 16
+    T = sum(n for n, _ in specs) + 3
+    q, cache, meta = make_batch(specs, T, bs, Hq, Hk, D, dtype)
+    if splits == "auto":
+        splits = choose_num_splits(T, meta.num_reqs, Hq, Hk, D, meta.max_query_len, meta.max_seq_len, q.device)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                      meta.num_reqs, meta.max_query_len, D ** -0.5, num_splits=splits)
+    check(out, reference(q, cache, meta, D ** -0.5), 1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_backend_cuda_graph_replay():
+    """Capture backend.forward once, then replay with new q/k/v, seq_lens and block tables copied
+    into the static buffers (same bucket); every replay must match an eager forward."""
+    Hq, Hk, D, bs, R, T, width, dtype = 16, 8, 128, 16, 8, 16, 40, torch.bfloat16
+    cos_sin = rope_cache(D, 1024, 1e6, device=DEVICE)
+    backend = TritonAttentionBackend(num_heads=Hq, num_kv_heads=Hk, head_dim=D, block_size=bs, cos_sin=cos_sin)
+
+    def step():  # a new batch of the same bucket: R requests (some padding), T tokens
+        specs = [(int(torch.randint(1, 3, ())), int(torch.randint(3, 600, ()))) for _ in range(R - 2)]
+        specs += [(1, 0), (1, 0)]
+        q_, cache, meta = make_batch(specs, T, bs, Hq, Hk, D, dtype, width=width, num_blocks=1 + R * width)
+        meta.max_query_len = 2  # the bucket's, not the step's
+        qkv = [torch.randn(T, h * D, device=DEVICE).to(dtype) for h in (Hq, Hk, Hk)]
+        positions = torch.randint(0, 1024, (T,), device=DEVICE)
+        return qkv, positions, cache, meta
+
+    (q, k, v), positions, cache, meta = step()
+    static = dict(q=q.clone(), k=k.clone(), v=v.clone(), pos=positions.clone(), cache=cache.clone(),
+                  out=torch.empty(T, Hq * D, device=DEVICE, dtype=dtype))
+    smeta = AttentionMetadata(meta.query_start_loc.clone(), meta.seq_lens.clone(), meta.block_table.clone(),
+                              meta.slot_mapping.clone(), R, T, 2, 4096)
+
+    def fwd():
+        backend.forward(static["q"], static["k"], static["v"], static["pos"], static["out"], static["cache"], smeta)
+
+    fwd()  # warm up (compiles) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with backend.capturing(), torch.cuda.graph(graph):
+        fwd()
+    for _ in range(3):
+        (q, k, v), positions, cache, meta = step()
+        for name, t in (("q", q), ("k", k), ("v", v), ("pos", positions), ("cache", cache)):
+            static[name].copy_(t)
+        for src, dst in ((meta.query_start_loc, smeta.query_start_loc), (meta.seq_lens, smeta.seq_lens),
+                         (meta.block_table, smeta.block_table), (meta.slot_mapping, smeta.slot_mapping)):
+            dst.copy_(src)
+        static["out"].fill_(float("nan"))
+        graph.replay()
+        ref_out = torch.full_like(static["out"], float("nan"))
+        ref_cache = cache.clone()
+        backend.forward(q, k, v, positions, ref_out, ref_cache, meta)  # eager (may split)
+        torch.cuda.synchronize()
+        check(static["out"].view(T, Hq, D), ref_out.float().view(T, Hq, D), 1e-2)
+        assert torch.equal(static["cache"][:, 1:], ref_cache[:, 1:])
