@@ -123,7 +123,7 @@ def _add_make_model(sub):
 
 
 def _add_bench(sub):
-    p = sub.add_parser("bench", help="benchmarks: latency, throughput, load-test, overhead, profile, kernels")
+    p = sub.add_parser("bench", help="benchmarks: latency, throughput, load-test, overhead, profile, kernels, load, startup")
     p.add_argument("name", help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
@@ -133,7 +133,8 @@ def cmd_bench(args) -> int:
     import importlib
     table = {"latency": "pcg_engine.bench.latency", "throughput": "pcg_engine.bench.throughput",
              "load-test": "pcg_engine.bench.load_test", "overhead": "pcg_engine.bench.overhead",
-             "profile": "pcg_engine.bench.profile", "kernels": "pcg_engine.bench.kernels"}
+             "profile": "pcg_engine.bench.profile", "kernels": "pcg_engine.bench.kernels",
+             "load": "pcg_engine.bench.load", "startup": "pcg_engine.bench.startup"}
     if args.name not in table:
         raise SystemExit(f"pcg bench: unknown benchmark {args.name!r}; choose from {', '.join(table)}")
     module = importlib.import_module(table[args.name])

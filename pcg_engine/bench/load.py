@@ -1,0 +1,84 @@
+"""Weight-load benchmark (foundation issue): checkpoint directory -> model ready on the device.
+
+Compares the load time with the time to read the same files from disk (read first, so both see a
+warm page cache, and again after loading), and reports the peak host memory above the baseline
+against the largest shard's size: a loader that streams shard by shard stays under one shard.
+
+    pcg bench load --model qwen3-8b --device cuda --json load.json
+"""
+
+import argparse
+import resource
+import time
+from pathlib import Path
+
+from pcg_engine.bench.common import env_record, print_table, resolve_model, write_json
+
+
+def _read_files(files) -> float:
+    t0 = time.perf_counter()
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+    return time.perf_counter() - t0
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pcg bench load", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-qwen3")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    from pcg_engine.models.loader import load_model, weight_files
+
+    path = Path(resolve_model(args.model))
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    files = weight_files(path)
+    total = sum(f.stat().st_size for f in files)
+    largest = max(f.stat().st_size for f in files)
+    read_s = _read_files(files)
+    base = _rss_mib()
+    peak = base
+    # Sample RSS from a thread while loading: ru_maxrss is the whole process's lifetime peak.
+    import threading
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_mib())
+            time.sleep(0.01)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = load_model(path, device=device, dtype=dtype)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    read_again_s = _read_files(files)
+    result = {"load_s": load_s, "read_files_s": read_s, "read_files_again_s": read_again_s,
+              "load_over_read": load_s / max(min(read_s, read_again_s), 1e-9),
+              "checkpoint_gib": total / 2**30, "largest_shard_gib": largest / 2**30,
+              "peak_host_above_baseline_gib": (peak - base) / 1024,
+              "num_files": len(files), "parameters": sum(x.numel() for x in model.parameters()),
+              **env_record(str(path), device)}
+    print_table("weight load", ["what", "value"], [[k, v] for k, v in result.items()
+                                                   if isinstance(v, (int, float))])
+    if args.json:
+        write_json(args.json, result)
+    return 0

@@ -1,0 +1,74 @@
+"""P5 start-up: process start to ready, cold (empty caches) and warm (caches filled by the cold run).
+
+Each run is a fresh Python process, timed from its spawn to the moment `LLM(...)` returns, so
+imports count. Cold runs get empty compile, Inductor and Triton cache directories; the warm run
+reuses them. The child reports the engine's own split (weight load, Dynamo, Inductor, capture) and
+the graph pool size.
+
+    pcg bench startup --model qwen3-0.6b --mode full_and_piecewise --json startup.json
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from pcg_engine.bench.common import env_record, print_table, resolve_model, write_json
+
+_CHILD = """
+import json, sys, time
+from pcg_engine.llm import LLM
+cfg = json.loads(sys.argv[1])
+llm = LLM(cfg.pop("model"), **cfg)
+runner = llm.engine.runner
+print("PCG_READY " + json.dumps({"timings": runner.timings, "mode": runner.mode}), flush=True)
+"""
+
+
+def run_once(model: str, config: dict, cache_root: str) -> dict:
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, "inductor")
+    env["TRITON_CACHE_DIR"] = os.path.join(cache_root, "triton")
+    payload = json.dumps({"model": model, "compile_cache_dir": os.path.join(cache_root, "pcg"), **config})
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, payload], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    ready = None
+    for line in proc.stdout:
+        if line.startswith("PCG_READY "):
+            ready = time.perf_counter() - t0
+            info = json.loads(line[len("PCG_READY "):])
+            break
+    out, err = proc.communicate()
+    if ready is None:
+        raise SystemExit(f"start-up run failed (exit {proc.returncode}):\n{err[-3000:]}")
+    return {"ready_s": ready, **info}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pcg bench startup", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-qwen3")
+    p.add_argument("--mode", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    model = resolve_model(args.model)
+    config = {"mode": args.mode, "device": args.device, "max_num_seqs": args.max_num_seqs}
+    with tempfile.TemporaryDirectory(prefix="pcg-startup-") as root:
+        os.chmod(root, 0o700)
+        cold = run_once(model, config, root)
+        warm = run_once(model, config, root)
+    rows = []
+    for name, r in (("cold", cold), ("warm", warm)):
+        t = r["timings"]
+        rows.append([name, r["ready_s"], t.get("weight_load_s"), t.get("dynamo_s"), t.get("inductor_s"),
+                     t.get("capture_s"), t.get("graph_pool_mib")])
+    print_table(f"start-up ({cold['mode']})", ["run", "ready s", "weights s", "dynamo s", "inductor s",
+                                                "capture s", "graph pool MiB"], rows)
+    if args.json:
+        write_json(args.json, {"cold": cold, "warm": warm, "config": config, **env_record(model, args.device)})
+    return 0
