@@ -1,0 +1,270 @@
+"""Block manager: allocation, reference counts, the hash-chained prefix cache, the scratch block."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+from pcg_engine.engine.block_manager import SCRATCH_BLOCK, BlockManager
+from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
+
+BS = 4
+
+
+def req(rid, tokens, max_tokens=8):
+    return Request(rid, tokens, SimpleNamespace(max_tokens=max_tokens))
+
+
+def run_prefill(bm, r):
+    """Allocate and 'compute' the whole known sequence, then publish, as a step would."""
+    n = r.num_tokens - bm.get_num_cached_prefix_tokens(r)
+    assert bm.allocate(r, n)
+    r.num_computed_tokens += n
+    bm.cache_full_blocks(r)
+    bm.check_invariants()
+
+
+def snapshot(bm, *requests):
+    return (list(bm._free_plain), list(bm._free_cached), dict(bm._hash_to_block),
+            {k: list(v) for k, v in bm._tables.items()}, [b.ref_count for b in bm.blocks],
+            [(r.num_computed_tokens, r.num_cached_tokens) for r in requests])
+
+
+def test_sizes_and_validation():
+    bm = BlockManager(10, BS)
+    assert bm.num_total_blocks == 9 and bm.num_free_blocks == 9 and bm.num_used_blocks == 0
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(1, BS)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockManager(4, 0)
+
+
+def test_allocate_grows_by_appending_and_slots():
+    bm = BlockManager(10, BS)
+    r = req("a", list(range(10, 16)))                  # 6 tokens: 2 blocks
+    assert bm.allocate(r, 6)
+    table = list(bm.block_table("a"))
+    assert len(table) == 2 and SCRATCH_BLOCK not in table
+    r.num_computed_tokens = 6
+    for _ in range(3):                                 # tokens 6..8 -> a third block
+        r.append_output(1)
+        assert bm.allocate(r, 1)
+        r.num_computed_tokens += 1
+    assert bm.block_table("a")[:2] == table and len(bm.block_table("a")) == 3
+    t = bm.block_table("a")
+    assert bm.slot("a", 0) == t[0] * BS
+    assert bm.slot("a", 5) == t[1] * BS + 1
+    assert bm.slot("a", 8) == t[2] * BS
+    bm.check_invariants()
+
+
+def test_full_hit_except_last_token():
+    bm = BlockManager(20, BS)
+    prompt = list(range(100, 109))                     # 9 tokens: 2 full blocks + 1
+    a = req("a", prompt)
+    run_prefill(bm, a)
+    b = req("b", prompt)
+    assert bm.get_num_cached_prefix_tokens(b) == 8
+    assert bm.allocate(b, 1)
+    assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
+    assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
+    assert bm.block_table("b")[2] != bm.block_table("a")[2]
+
+
+def test_exact_multiple_prompt_recomputes_last_block():
+    bm = BlockManager(20, BS)
+    prompt = list(range(8))                            # exactly 2 blocks
+    run_prefill(bm, req("a", prompt))
+    b = req("b", prompt)
+    # The last token must be computed, so the block holding it can't come from the cache.
+    assert bm.get_num_cached_prefix_tokens(b) == 4
+    assert bm.allocate(b, 4) and b.num_computed_tokens == 4
+
+
+def test_partial_hit():
+    bm = BlockManager(20, BS)
+    run_prefill(bm, req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    b = req("b", [1, 2, 3, 4, 5, 6, 7, 0, 9, 9])       # second block differs
+    assert bm.get_num_cached_prefix_tokens(b) == 4
+    assert bm.allocate(b, 6) and b.num_computed_tokens == 4
+    assert bm.block_table("b")[0] == bm.block_table("a")[0]
+
+
+def test_hashes_are_chained_on_the_prefix():
+    bm = BlockManager(20, BS)
+    run_prefill(bm, req("a", [1, 1, 1, 1, 7, 7, 7, 7, 0]))
+    b = req("b", [2, 2, 2, 2, 7, 7, 7, 7, 0])          # same second block, other first block
+    assert bm.get_num_cached_prefix_tokens(b) == 0
+    run_prefill(bm, b)
+    assert set(bm.block_table("a")).isdisjoint(bm.block_table("b"))
+
+
+def test_hash_collision_never_hits():
+    bm = BlockManager(20, BS, hash_fn=lambda parent, tokens: b"same")
+    run_prefill(bm, req("a", [1, 2, 3, 4, 5]))
+    b = req("b", [9, 9, 9, 9, 5])
+    assert bm.get_num_cached_prefix_tokens(b) == 0
+    run_prefill(bm, b)                                  # its block is not published over a's
+    assert bm.num_cached_blocks == 1
+    assert bm.get_num_cached_prefix_tokens(req("c", [1, 2, 3, 4, 0])) == 4
+
+
+def test_refcounts_with_shared_prefix():
+    bm = BlockManager(20, BS)
+    prompt = list(range(9))
+    a, b = req("a", prompt), req("b", prompt + [50, 51])
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    shared = bm.block_table("a")[:2]
+    assert all(bm.blocks[x].ref_count == 2 for x in shared)
+    bm.free(a)
+    bm.check_invariants()
+    assert all(bm.blocks[x].ref_count == 1 for x in shared)
+    assert bm.num_used_blocks == len(bm.block_table("b"))
+    bm.free(b)
+    bm.free(b)                                          # idempotent
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_freed_block_keeps_hash_and_is_reused_for_a_hit():
+    bm = BlockManager(20, BS)
+    prompt = list(range(9))
+    a = req("a", prompt)
+    run_prefill(bm, a)
+    a_blocks = list(bm.block_table("a"))
+    bm.free(a)
+    assert bm.num_free_blocks == bm.num_total_blocks    # evictable blocks count as free
+    assert bm.num_cached_blocks == 2
+    b = req("b", prompt)
+    assert bm.allocate(b, 1) and b.num_computed_tokens == 8
+    assert bm.block_table("b")[:2] == a_blocks[:2]
+    bm.check_invariants()
+
+
+def test_eviction_prefers_plain_blocks_then_lru():
+    bm = BlockManager(6, BS)                            # 5 usable blocks
+    a = req("a", list(range(9)))                        # 3 blocks, 2 published
+    run_prefill(bm, a)
+    bm.free(a)
+    assert bm.num_cached_blocks == 2
+    c = req("c", [50] * 3)                               # takes one of the 3 plain blocks
+    assert bm.allocate(c, 3)
+    assert bm.num_cached_blocks == 2
+    d = req("d", [60] * 9)                               # 3 blocks: 2 plain, then evicts one cached
+    assert bm.allocate(d, 9)
+    assert bm.num_cached_blocks == 1
+    # a's tail block was freed first, so it went first; its first block survives.
+    assert bm.get_num_cached_prefix_tokens(req("e", list(range(9)))) == 4
+    e = req("e2", [70] * 4)
+    assert bm.allocate(e, 4) and bm.num_cached_blocks == 0
+    assert bm.get_num_cached_prefix_tokens(req("f", list(range(9)))) == 0
+    bm.check_invariants()
+
+
+def test_claiming_evictable_prefix_is_paid_for():
+    bm = BlockManager(4, BS)                            # 3 usable
+    a = req("a", list(range(9)))
+    run_prefill(bm, a)
+    bm.free(a)                                          # 2 cached-free + 1 plain-free
+    b = req("b", list(range(9)) + [1, 2, 3, 4])         # 13 tokens: hit 8, needs 2 more blocks
+    assert not bm.can_allocate(b, 5)
+    before = snapshot(bm, b)
+    assert not bm.allocate(b, 5)
+    assert snapshot(bm, b) == before                    # a failed allocate changes nothing
+    c = req("c", list(range(9)))                        # hit 8, needs 1 more: exactly 3
+    assert bm.can_allocate(c, 1) and bm.allocate(c, 1)
+    assert bm.num_free_blocks == 0
+    bm.check_invariants()
+
+
+def test_scratch_block_never_handed_out():
+    bm = BlockManager(5, BS)
+    reqs = [req(f"r{i}", [i] * BS) for i in range(10)]
+    got = [r for r in reqs if bm.allocate(r, BS)]
+    assert len(got) == 4 and bm.num_free_blocks == 0
+    held = [b for r in got for b in bm.block_table(r.request_id)]
+    assert sorted(held) == [1, 2, 3, 4]
+    assert not bm.allocate(reqs[-1], 1)
+    bm.check_invariants()
+    for r in got:
+        bm.free(r)
+    assert bm.num_free_blocks == 4
+    bm.check_invariants()
+
+
+def test_placeholder_blocks_are_never_hashed():
+    bm = BlockManager(20, BS)
+    r = req("a", [1, 2, 3])
+    assert bm.allocate(r, 3)
+    r.num_computed_tokens = 3
+    r.append_output(PLACEHOLDER)                        # token 3, in flight
+    assert bm.allocate(r, 1)
+    r.num_computed_tokens = 4                            # async: advanced at launch
+    bm.cache_full_blocks(r)
+    assert bm.num_cached_blocks == 0
+    r.append_output(PLACEHOLDER)
+    r.resolve_placeholder(3, 9)                          # the value arrives
+    bm.cache_full_blocks(r)
+    assert bm.num_cached_blocks == 1
+    assert bm.blocks[bm.block_table("a")[0]].tokens == (1, 2, 3, 9)
+    assert bm.get_num_cached_prefix_tokens(req("b", [1, 2, 3, 9, 5])) == 4
+    assert bm.get_num_cached_prefix_tokens(req("c", [1, 2, 3, PLACEHOLDER, 5])) == 0
+    bm.check_invariants()
+
+
+def test_only_computed_blocks_are_published():
+    bm = BlockManager(20, BS)
+    r = req("a", list(range(10)))
+    assert bm.allocate(r, 5)                            # chunk: 5 of 10 tokens
+    r.num_computed_tokens = 5
+    bm.cache_full_blocks(r)
+    assert bm.num_cached_blocks == 1
+    assert bm.allocate(r, 5)
+    r.num_computed_tokens = 10
+    bm.cache_full_blocks(r)
+    assert bm.num_cached_blocks == 2
+    bm.check_invariants()
+
+
+def test_duplicate_content_stays_private():
+    bm = BlockManager(20, BS)
+    a, b = req("a", list(range(9))), req("b", list(range(9)))
+    assert bm.allocate(a, 9) and bm.allocate(b, 9)      # both prefill before either publishes
+    a.num_computed_tokens = b.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(b)
+    assert bm.num_cached_blocks == 2
+    bm.check_invariants()
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(20, BS, enable_prefix_caching=False)
+    run_prefill(bm, req("a", list(range(9))))
+    assert bm.num_cached_blocks == 0
+    assert bm.get_num_cached_prefix_tokens(req("b", list(range(9)))) == 0
+
+
+def test_preempted_request_resumes_from_cache_and_keeps_first_hit_count():
+    bm = BlockManager(20, BS)
+    run_prefill(bm, req("a", list(range(9))))
+    b = req("b", list(range(9)))
+    assert bm.allocate(b, 1) and b.num_cached_tokens == 8
+    b.status = RequestStatus.RUNNING
+    b.num_computed_tokens = 9
+    for t in (20, 21, 22, 23):                          # decode 4 tokens: 13 tokens, 12 computed
+        b.append_output(t)
+        assert bm.allocate(b, 1)
+        b.num_computed_tokens += 1
+        bm.cache_full_blocks(b)
+    b.num_computed_tokens = 12
+    bm.free(b)                                          # preempted by recompute
+    b.num_computed_tokens = 0
+    b.status = RequestStatus.PREEMPTED
+    assert bm.allocate(b, 1)
+    assert b.num_computed_tokens == 12 and b.num_cached_tokens == 8
+    bm.check_invariants()
