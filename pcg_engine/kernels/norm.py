@@ -1,0 +1,119 @@
+"""RMSNorm and fused residual-add + RMSNorm: one memory pass per row block.
+
+Unfused, a decoder layer's `residual = x + residual; h = norm(residual)` reads and writes the
+hidden state three times; here the add, the reduction and the scale share one read of x and the
+residual and one write of each output.
+
+Rounding follows Hugging Face's Qwen3RMSNorm exactly, so fused and unfused paths agree to the bit
+wherever the hardware's rsqrt does:
+  * the residual sum is rounded to the storage dtype before it is normalised (transformers adds
+    in bf16, then normalises that rounded value, and the next layer reads the rounded residual);
+  * the variance and scaling are fp32;
+  * the normalised value is rounded to the input dtype *before* the weight multiply
+    (`weight * hidden.to(input_dtype)`), and the product is rounded again.
+
+Both functions take x [..., D] (the last dim must be unit-stride, rows may be strided; anything
+else is copied), so per-head q/k norm is `rms_norm(q.view(T * H, head_dim), w, eps)`. Outputs are
+new contiguous tensors in x.dtype.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D,
+                     stride_x, stride_r, stride_o, stride_ro, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # A [BLOCK_R, BLOCK_D] tile: one row per program for wide D, several for head_dim-sized D,
+    # so a small D still gives each program enough bytes in flight.
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows[:, None] * stride_ro + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
+             (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_config(n_rows: int, d: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps): about 4K elements a program, 16 per thread (two 16-byte
+    bf16 vectors per load), but never so many rows a program that a small batch runs on a
+    handful of SMs."""
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, min(64, 4096 // block_d, triton.next_power_of_2(triton.cdiv(n_rows, 512))))
+    num_warps = max(1, min(16, block_r * block_d // 512))
+    return block_r, block_d, num_warps
+
+
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> int:
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x: expected shape [..., D] with D > 0, got {tuple(x.shape)}")
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight: expected shape ({d},) to match x's last dim, got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight: on {weight.device}, x on {x.device}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"residual: expected {tuple(x.shape)} {x.dtype} on {x.device}, "
+                             f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    return d
+
+
+def _launch(x, residual, weight, eps):
+    d = _check(x, weight, residual)
+    x2 = _rows(x, d)
+    n = x2.shape[0]
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    if residual is None:
+        r2 = res_out = x2  # unused: HAS_RESIDUAL=False compiles the loads and stores away
+    else:
+        r2 = _rows(residual, d)
+        res_out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    if n > 0:
+        block_r, block_d, num_warps = _launch_config(n, d)
+        _rms_norm_kernel[(triton.cdiv(n, block_r),)](
+            x2, r2, weight.contiguous(), out, res_out, n, d,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), float(eps),
+            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """rmsnorm(x) * weight over the last dim, fp32 math, result in x.dtype."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) * weight, x + residual) in one pass; both in x.dtype."""
+    return _launch(x, residual, weight, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm.forward, cast to x.dtype (a no-op when weight has x's dtype)."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(input_dtype)).to(input_dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual
