@@ -37,10 +37,12 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p))
         except Exception:
+            # Never scheduled, so aborting frees them at once; drop their abort outputs rather
+            # than stepping, which would run (and swallow the outputs of) other requests in flight.
             for rid in ids:
                 self.engine.abort_request(rid)
-            while self.engine.has_unfinished_requests():   # drain the aborts
-                self.engine.step()
+            dropped = set(ids)
+            self.engine.pending_outputs = [o for o in self.engine.pending_outputs if o.request_id not in dropped]
             raise
         finals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

@@ -5,6 +5,9 @@ can span tokens, and decoding a token alone yields U+FFFD. We decode a short win
 tokens and emit only the text past what was already emitted, holding back while the window ends
 in an incomplete character. Stop strings are searched in the newly produced text plus enough of
 the old to catch a stop string that straddles two deltas; the text is cut before the stop string.
+While stop strings are set, the last (longest stop - 1) characters are held back: they might be the
+start of a stop string, and text once emitted (streamed) cannot be taken back. `flush` releases them
+when the request ends for another reason.
 """
 
 REPLACEMENT = "\ufffd"
@@ -23,7 +26,8 @@ class IncrementalDetokenizer:
         self.context = list(prompt_token_ids[-4:])
         self.prefix_offset = 0
         self.read_offset = len(self.context)
-        self.text = ""
+        self.text = ""          # emitted so far
+        self.held = ""          # decoded but held back: might start a stop string
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
@@ -45,24 +49,31 @@ class IncrementalDetokenizer:
         if not self.stop:
             self.text += delta
             return delta
-        start = max(0, len(self.text) - self.max_stop_len + 1)
-        window = self.text[start:] + delta
-        cut = min((i for i in (window.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut < 0:
-            self.text += delta
-            return delta
-        self.stopped_by = next(s for s in self.stop if window.find(s) == cut)
-        new_text = (self.text[:start] + window[:cut])
-        emitted = new_text[len(self.text):] if len(new_text) > len(self.text) else ""
-        self.text = new_text
+        # No stop string can start inside emitted text: it would have ended inside text already
+        # searched, since what is held back covers the longest stop string but one character.
+        pending = self.held + delta
+        cut = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped_by = next(s for s in self.stop if pending.find(s) == cut)
+            emitted = pending[:cut]
+            self.held = ""
+        else:
+            keep = min(len(pending), self.max_stop_len - 1)
+            emitted, self.held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        self.text += emitted
         return emitted
 
     def flush(self) -> str:
         """At the end, emit whatever is held back (an incomplete character decodes as U+FFFD)."""
+        out = ""
         if self.read_offset < len(self.context) and self.stopped_by is None:
             prefix = self._decode(self.context[self.prefix_offset:self.read_offset])
             full = self._decode(self.context[self.prefix_offset:])
             if len(full) > len(prefix):
                 self.read_offset = len(self.context)
-                return self._append_text(full[len(prefix):])
-        return ""
+                out = self._append_text(full[len(prefix):])
+        if self.stopped_by is None and self.held:
+            out += self.held
+            self.text += self.held
+            self.held = ""
+        return out

@@ -1,0 +1,260 @@
+"""The persistent input batch: InputBatch.prepare's flat batch equals a plain per-request Python rebuild.
+
+Random workloads drive one InputBatch the way the engine does (rows added, grown by appending tokens
+and blocks, released on finish and preemption, reused), with prefill chunks and decodes mixed, with
+and without padding, and with async placeholders whose value comes from the previous step's sampled
+tokens on the device (resolved on the host one step later through set_token).
+"""
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pcg_engine.engine.input_batch import InputBatch
+from pcg_engine.engine.request import PLACEHOLDER, Request
+
+BS = 4
+MAX_LEN = 64
+MAX_SEQS = 8
+MAX_TOKENS = 48
+NUM_BLOCKS = 200
+
+
+def rebuild(scheduled, tables, prev_sample_pos, previous_tokens, Tp, Rp):
+    """The flat batch by hand, one request and one token at a time."""
+    ids, pos, slots, qsl, lens, logits_idx, sample_rows = [], [], [], [0], [], [], []
+    for request, n in scheduled:
+        c = request.num_computed_tokens
+        for p in range(c, c + n):
+            t = request.token_ids[p]
+            if t == PLACEHOLDER:
+                t = int(previous_tokens[prev_sample_pos[request.request_id]])
+            ids.append(t)
+            pos.append(p)
+            slots.append(tables[request.request_id][p // BS] * BS + p % BS)
+        qsl.append(qsl[-1] + n)
+        lens.append(c + n)
+        if c + n == request.num_tokens:
+            logits_idx.append(qsl[-1] - 1)
+            sample_rows.append(request)
+    T, R = len(ids), len(scheduled)
+    pad_t = Tp - T
+    return SimpleNamespace(
+        input_ids=ids, positions=pos, slots=slots + [-1] * pad_t, pad_t=pad_t,
+        qsl=qsl + [min(T + k, Tp) for k in range(1, Rp - R + 1)], seq_lens=lens + [0] * (Rp - R),
+        logits_idx=logits_idx, sample_rows=sample_rows, T=T, R=R)
+
+
+def check_step(batch, scheduled, tables, prev_sample_pos, previous_tokens, pad_tokens_to=None, pad_reqs_to=None):
+    T = sum(n for _, n in scheduled)
+    R = len(scheduled)
+    Tp = max(pad_tokens_to or T, T)
+    Rp = max(pad_reqs_to or R, R)
+    want = rebuild(scheduled, tables, prev_sample_pos, previous_tokens, Tp, Rp)
+    got = batch.prepare(scheduled, pad_tokens_to=pad_tokens_to, pad_reqs_to=pad_reqs_to,
+                        previous_tokens=previous_tokens)
+    meta = got.metadata
+    assert got.num_real_tokens == T and got.num_real_reqs == R
+    assert got.input_ids.shape == (Tp,) and got.positions.shape == (Tp,)
+    assert got.input_ids[:T].tolist() == want.input_ids
+    assert got.positions[:T].tolist() == want.positions
+    assert meta.slot_mapping.tolist() == want.slots
+    # Padding tokens: any in-vocabulary id and position, always the scratch slot.
+    assert (got.input_ids[T:] >= 0).all() and (got.positions[T:] >= 0).all()
+    assert (got.positions[T:] < MAX_LEN).all()
+    assert meta.query_start_loc.tolist() == want.qsl
+    assert meta.seq_lens.tolist() == want.seq_lens
+    assert meta.num_reqs == Rp and meta.num_tokens == Tp
+    assert meta.max_seq_len == max(want.seq_lens)
+    assert meta.max_query_len == max(max(n for _, n in scheduled), 1 if Rp > R else 0)
+    assert meta.query_start_loc_cpu.tolist() == want.qsl
+    assert meta.seq_lens_cpu.tolist() == want.seq_lens
+    assert meta.query_start_loc.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
+    assert meta.slot_mapping.dtype == torch.int64 and meta.block_table.dtype == torch.int32
+    for r, (request, _) in enumerate(scheduled):
+        table = tables[request.request_id]
+        needed = -(-want.seq_lens[r] // BS)
+        assert meta.block_table[r, :needed].tolist() == table[:needed]
+    assert got.logits_indices.tolist() == want.logits_idx
+    assert got.sample_rows == want.sample_rows
+    return got
+
+
+class Workload:
+    """Engine-like driver of one InputBatch with random decisions."""
+
+    def __init__(self, seed, async_mode):
+        self.rng = random.Random(seed)
+        self.async_mode = async_mode
+        self.batch = InputBatch(MAX_SEQS, MAX_LEN, BS, MAX_TOKENS, torch.device("cpu"))
+        self.free_blocks = list(range(1, NUM_BLOCKS))
+        self.rng.shuffle(self.free_blocks)
+        self.active: list[Request] = []
+        self.tables: dict[str, list[int]] = {}
+        self.ids = 0
+        self.prev_sample_pos: dict[str, int] = {}   # request -> index in the last step's sampled tokens
+        self.previous_tokens = None
+        self.unresolved: list[tuple[Request, int, int]] = []   # (request, token index, sample index)
+
+    def new_request(self):
+        n = self.rng.randint(1, 30)
+        r = Request(f"r{self.ids}", [self.rng.randint(0, 999) for _ in range(n)],
+                    SimpleNamespace(max_tokens=MAX_LEN - n))
+        self.ids += 1
+        self.active.append(r)
+        self.tables[r.request_id] = []
+        self.batch.add(r)
+        return r
+
+    def release(self, r, preempt=False):
+        self.free_blocks += self.tables.pop(r.request_id)
+        self.batch.remove(r.request_id)
+        self.active.remove(r)
+        if preempt:      # back with its tokens, blocks gone, recomputed from 0
+            r.num_computed_tokens = 0
+            self.active.append(r)
+            self.tables[r.request_id] = []
+            self.batch.add(r)
+
+    def step(self, pad):
+        rng = self.rng
+        while len(self.active) < MAX_SEQS and rng.random() < 0.5:
+            self.new_request()
+        candidates = [r for r in self.active if r.num_tokens > r.num_computed_tokens
+                      and r.num_tokens < MAX_LEN]
+        rng.shuffle(candidates)
+        scheduled, budget = [], MAX_TOKENS // 2
+        for r in candidates:
+            remaining = r.num_tokens - r.num_computed_tokens
+            if budget <= 0 or rng.random() < 0.2:
+                continue
+            n = min(remaining, budget, rng.choice([remaining, remaining, rng.randint(1, remaining)]))
+            table = self.tables[r.request_id]
+            while len(table) * BS < r.num_computed_tokens + n:
+                table.append(self.free_blocks.pop())
+            self.batch.update(r, table)
+            scheduled.append((r, n))
+            budget -= n
+        if not scheduled:
+            return False
+        pad_t = pad_r = None
+        if pad:
+            T = sum(n for _, n in scheduled)
+            pad_t = min(MAX_TOKENS, T + rng.randint(0, 8))
+            if all(n == 1 for _, n in scheduled) and rng.random() < 0.5:
+                pad_r = min(MAX_SEQS, len(scheduled) + rng.randint(0, 3))
+                pad_t = max(pad_t, pad_r)
+        got = check_step(self.batch, scheduled, self.tables, self.prev_sample_pos, self.previous_tokens,
+                         pad_t, pad_r)
+        # "Launch": computed advances, the sampling rows get a placeholder (async) or their token.
+        sampled = torch.tensor([rng.randint(3, 999) for _ in got.sample_rows], dtype=torch.long)
+        for r, n in scheduled:
+            r.num_computed_tokens += n
+        # Async: step s-1's placeholders are resolved on the host after step s is launched.
+        for r, index, j in self.unresolved:
+            if r in self.active and index < r.num_tokens and r.token_ids[index] == PLACEHOLDER:
+                value = int(self.previous_tokens[j])
+                r.resolve_placeholder(index, value)
+                self.batch.set_token(r.request_id, index, value)
+        self.unresolved = []
+        self.prev_sample_pos = {}
+        for j, r in enumerate(got.sample_rows):
+            if self.async_mode:
+                self.unresolved.append((r, r.num_tokens, j))
+                r.append_output(PLACEHOLDER)
+            else:
+                r.append_output(int(sampled[j]))
+            self.prev_sample_pos[r.request_id] = j
+            self.batch.update(r)
+        self.previous_tokens = sampled
+        # Finish some, preempt some (only without a token in flight, as the scheduler does).
+        for r in list(self.active):
+            if r.num_tokens >= MAX_LEN - 1 or rng.random() < 0.05:
+                self.release(r)
+            elif r.num_placeholders == 0 and rng.random() < 0.05:
+                self.release(r, preempt=True)
+        return True
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("seed", range(4))
+def test_prepare_matches_rebuild_on_random_workloads(seed, pad, async_mode):
+    w = Workload(seed, async_mode)
+    addresses = [t.data_ptr() for t in (w.batch.input_ids, w.batch.positions, w.batch.slot_mapping,
+                                        w.batch.query_start_loc, w.batch.seq_lens, w.batch.step_block_table)]
+    steps = placeholders = 0
+    for _ in range(60):
+        ph = sum(r.token_ids[r.num_computed_tokens:].count(PLACEHOLDER) for r in w.active)
+        if w.step(pad):
+            steps += 1
+            placeholders += ph
+    assert steps > 30
+    assert (placeholders > 0) == async_mode, "the async run must feed placeholders, the sync run none"
+    # Static device buffers: graphs captured over them stay valid.
+    assert addresses == [t.data_ptr() for t in (w.batch.input_ids, w.batch.positions, w.batch.slot_mapping,
+                                                w.batch.query_start_loc, w.batch.seq_lens,
+                                                w.batch.step_block_table)]
+
+
+def test_rows_are_reused_and_block_tables_append():
+    batch = InputBatch(2, MAX_LEN, BS, MAX_TOKENS, torch.device("cpu"))
+    a = Request("a", list(range(10, 17)), SimpleNamespace(max_tokens=8))
+    b = Request("b", list(range(20, 23)), SimpleNamespace(max_tokens=8))
+    ra, rb = batch.add(a), batch.add(b)
+    assert ra != rb and batch.row_of == {"a": ra, "b": rb}
+    with pytest.raises(RuntimeError, match="full"):
+        batch.add(Request("c", [1], SimpleNamespace(max_tokens=1)))
+    batch.update(a, [5, 9])
+    tables = {"a": [5, 9], "b": [7]}
+    batch.update(b, [7])
+    check_step(batch, [(a, 7), (b, 3)], tables, {}, None)
+    a.num_computed_tokens, b.num_computed_tokens = 7, 3
+    a.append_output(42)
+    batch.update(a)
+    batch.update(a, [5, 9, 11])                  # appended block
+    tables["a"] = [5, 9, 11]
+    check_step(batch, [(a, 1)], tables, {}, None)
+    # Preemption: the row starts over with fewer blocks, then grows again.
+    batch.update(a, [])
+    batch.update(a, [3, 4])
+    a.num_computed_tokens = 0
+    tables["a"] = [3, 4]
+    check_step(batch, [(a, 8)], tables, {}, None)
+    batch.remove("b")
+    c = Request("c", [1, 2, 3, 4, 5], SimpleNamespace(max_tokens=3))
+    assert batch.add(c) == rb                    # b's row, reused
+    batch.update(c, [8, 2])
+    tables["c"] = [8, 2]
+    got = check_step(batch, [(c, 5), (a, 8)], tables, {}, None, pad_tokens_to=16)
+    assert got.metadata.slot_mapping[13:].tolist() == [-1, -1, -1]
+    batch.remove("a")
+    batch.remove("a")                            # idempotent
+    assert batch.row_of == {"c": rb}
+
+
+def test_placeholder_without_a_step_in_flight_is_an_error():
+    batch = InputBatch(2, MAX_LEN, BS, MAX_TOKENS, torch.device("cpu"))
+    a = Request("a", [5, 6, 7], SimpleNamespace(max_tokens=4))
+    batch.add(a)
+    batch.update(a, [1])
+    a.num_computed_tokens = 3
+    a.append_output(PLACEHOLDER)
+    batch.update(a)
+    with pytest.raises(RuntimeError, match="placeholder"):
+        batch.prepare([(a, 1)])
+
+
+def test_set_token_after_release_is_harmless():
+    batch = InputBatch(2, MAX_LEN, BS, MAX_TOKENS, torch.device("cpu"))
+    a = Request("a", [5, 6, 7], SimpleNamespace(max_tokens=4))
+    batch.add(a)
+    batch.remove("a")
+    batch.set_token("a", 3, 9)        # resolved after its request finished: ignored
+    b = Request("b", [1, 2], SimpleNamespace(max_tokens=4))
+    row = batch.add(b)
+    batch.set_token("b", 5, 9)        # beyond what the row holds: ignored
+    assert np.array_equal(batch.token_ids[row, :2], [1, 2])

@@ -1,0 +1,181 @@
+"""Bad input (DESIGN.md, "Bad input"): every refusal is an InvalidRequestError naming the field and
+its allowed range, the requests already in flight finish exactly as they would have without it, and
+no KV block, batch row or sampling row leaks."""
+
+import math
+
+import pytest
+
+from engine_helpers import assert_drained, drain, make_llm, random_prompts
+from pcg_engine.errors import InvalidRequestError
+from pcg_engine.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 2048
+NUM_KV_BLOCKS = 32          # 31 usable blocks of 16: 496 tokens, less than max_model_len
+VOCAB = 1024
+
+GOOD_PROMPTS = random_prompts([6, 19, 11], seed=20)
+GOOD_PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop_token_ids=[3]),
+]
+GOOD_IDS = ["good-0", "good-1", "good-2"]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request, tiny_paths):
+    return make_llm(tiny_paths["tiny-qwen3"], max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_KV_BLOCKS,
+                    async_scheduling=request.param)
+
+
+@pytest.fixture(scope="module")
+def baseline(llm):
+    """The good requests' outputs without any bad request around."""
+    finals = _run_good(llm.engine, bad=None)[0]
+    return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()}
+
+
+def _run_good(engine, bad, steps_before: int = 3):
+    """Add the good requests, run a few steps, try `bad(engine)`, then drain. Returns (the good
+    requests' final outputs, the error the bad action raised)."""
+    for rid, prompt, params in zip(GOOD_IDS, GOOD_PROMPTS, GOOD_PARAMS):
+        engine.add_request(prompt, params, request_id=rid)
+    finals, error = {}, None
+    for _ in range(steps_before):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    if bad is not None:
+        with pytest.raises(InvalidRequestError) as info:
+            bad(engine)
+        error = info.value
+    finals.update(drain(engine))
+    return finals, error
+
+
+def _prompt(n=8):
+    return random_prompts([n], seed=21)[0]
+
+
+# (id, action, field, pattern the message must match: the allowed range)
+CASES = [
+    ("empty-text-prompt", lambda e: e.add_request("", None), "prompt", r"at least one"),
+    ("empty-token-prompt", lambda e: e.add_request([], None), "prompt_token_ids", r"at least 1"),
+    ("prompt-not-str-or-ids", lambda e: e.add_request(42, None), "prompt", r"string or a list of token ids"),
+    ("beyond-max-model-len", lambda e: e.add_request(_prompt(10), {"max_tokens": MAX_MODEL_LEN}),
+     "max_tokens", rf"max_model_len {MAX_MODEL_LEN}.*allowed: 1\.\.{MAX_MODEL_LEN - 10}"),
+    ("prompt-fills-max-model-len", lambda e: e.add_request(_prompt(MAX_MODEL_LEN), {"max_tokens": 1}),
+     "max_tokens", rf"max_model_len {MAX_MODEL_LEN}"),
+    ("max-tokens-0", lambda e: e.add_request(_prompt(), {"max_tokens": 0}), "max_tokens", r">= 1"),
+    ("max-tokens-negative", lambda e: e.add_request(_prompt(), {"max_tokens": -3}), "max_tokens", r">= 1"),
+    ("max-tokens-bool", lambda e: e.add_request(_prompt(), {"max_tokens": True}), "max_tokens", r">= 1"),
+    ("temperature-negative", lambda e: e.add_request(_prompt(), {"temperature": -0.5}), "temperature", r">= 0"),
+    ("temperature-nan", lambda e: e.add_request(_prompt(), {"temperature": math.nan}), "temperature",
+     r"finite.*>= 0"),
+    ("top-p-0", lambda e: e.add_request(_prompt(), {"top_p": 0.0}), "top_p", r"\(0, 1\]"),
+    ("top-p-above-1", lambda e: e.add_request(_prompt(), {"top_p": 1.5}), "top_p", r"\(0, 1\]"),
+    ("top-k-0", lambda e: e.add_request(_prompt(), {"top_k": 0}), "top_k", r"-1 \(disabled\) or an integer >= 1"),
+    ("top-k-below-minus-1", lambda e: e.add_request(_prompt(), {"top_k": -2}), "top_k", r"-1 .* >= 1"),
+    ("min-p-negative", lambda e: e.add_request(_prompt(), {"min_p": -0.1}), "min_p", r"\[0, 1\]"),
+    ("min-p-above-1", lambda e: e.add_request(_prompt(), {"min_p": 1.5}), "min_p", r"\[0, 1\]"),
+    ("token-id-too-large", lambda e: e.add_request([5, 6, VOCAB], None), "prompt_token_ids",
+     rf"position 2.*0\.\.{VOCAB - 1}"),
+    ("token-id-negative", lambda e: e.add_request([-1, 5], None), "prompt_token_ids", rf"0\.\.{VOCAB - 1}"),
+    ("token-id-not-int", lambda e: e.add_request([5, 2.0], None), "prompt_token_ids", rf"0\.\.{VOCAB - 1}"),
+    ("stop-token-id-outside-vocab", lambda e: e.add_request(_prompt(), {"stop_token_ids": [VOCAB]}),
+     "stop_token_ids", rf"\[0, {VOCAB - 1}\]"),
+    ("unknown-field", lambda e: e.add_request(_prompt(), {"temprature": 0.5}), "temprature",
+     r"unknown sampling parameter; allowed: .*temperature"),
+    ("params-wrong-type", lambda e: e.add_request(_prompt(), "greedy"), "sampling_params", r"SamplingParams or dict"),
+    ("larger-than-kv-cache", lambda e: e.add_request(_prompt(10), {"max_tokens": 600}), "max_tokens",
+     rf"KV cache holds at most {(NUM_KV_BLOCKS - 1) * 16}"),
+    ("abort-unknown-id", lambda e: e.abort_request("no-such-request"), "request_id", r"not an unfinished request"),
+    ("duplicate-request-id", lambda e: e.add_request(_prompt(), None, request_id="good-1"), "request_id",
+     r"already in use"),
+]
+
+
+@pytest.mark.parametrize("name,bad,field,pattern", CASES, ids=[c[0] for c in CASES])
+def test_bad_request_is_refused_and_the_batch_survives(llm, baseline, name, bad, field, pattern):
+    engine = llm.engine
+    finals, error = _run_good(engine, bad)
+    assert error.field == field
+    assert str(error).startswith(f"{field}: ")
+    assert __import__("re").search(pattern, str(error)), f"{error} does not give the allowed range ({pattern})"
+    got = {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()}
+    assert got == baseline, f"the requests in flight were disturbed by {name}"
+    assert_drained(engine)
+
+
+def test_sampling_params_refuse_bad_fields_directly():
+    """The same checks at construction, without an engine (the client's first line of defence)."""
+    for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+                      ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"min_p": 2}, "min_p")]:
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**kw)
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams.from_kwargs(max_tokens=4, temprature=1.0)
+    assert info.value.field == "temprature"
+
+
+def test_abort_of_a_finished_request_is_refused(llm):
+    engine = llm.engine
+    rid = engine.add_request(_prompt(), SamplingParams(max_tokens=2, temperature=0))
+    drain(engine)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.abort_request(rid)
+    assert info.value.field == "request_id"
+    assert_drained(engine)
+
+
+def test_generate_with_one_bad_prompt_runs_none(llm, baseline):
+    """LLM.generate validates every prompt first: a bad one raises and the good ones don't run; the
+    engine then serves the next call normally."""
+    engine = llm.engine
+    steps = engine.stats.steps
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate([GOOD_PROMPTS[0], [5, VOCAB + 3], GOOD_PROMPTS[1]], SamplingParams(max_tokens=4))
+    assert info.value.field == "prompt_token_ids"
+    assert engine.stats.steps == steps          # nothing ran
+    assert_drained(engine)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(GOOD_PROMPTS, [SamplingParams()] * 2)
+    assert info.value.field == "sampling_params"
+    outs = llm.generate(GOOD_PROMPTS, GOOD_PARAMS)
+    assert {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in zip(GOOD_IDS, outs)} == baseline
+    assert_drained(engine)
+
+
+def test_generate_with_a_bad_prompt_leaves_other_requests_running(llm, baseline):
+    """A bad prompt in LLM.generate while other requests are in flight (added through the engine):
+    they keep running and their outputs reach their owner, not a drain inside generate."""
+    engine = llm.engine
+    for rid, prompt, params in zip(GOOD_IDS, GOOD_PROMPTS, GOOD_PARAMS):
+        engine.add_request(prompt, params, request_id=rid)
+    finals = {}
+    for _ in range(3):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    with pytest.raises(InvalidRequestError):
+        llm.generate([GOOD_PROMPTS[0], []], SamplingParams(max_tokens=4))
+    finals.update(drain(engine))
+    assert {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()} == baseline
+    assert_drained(engine)
+
+
+def test_abort_in_flight_frees_everything(llm, baseline):
+    """Aborting a good request mid-flight: it finishes as 'abort' with a prefix of its tokens, the
+    others are unharmed."""
+    engine = llm.engine
+    for rid, prompt, params in zip(GOOD_IDS, GOOD_PROMPTS, GOOD_PARAMS):
+        engine.add_request(prompt, params, request_id=rid)
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("good-1")
+    finals = drain(engine)
+    aborted = finals.pop("good-1")
+    assert aborted.finish_reason == "abort"
+    assert aborted.token_ids == baseline["good-1"][0][:len(aborted.token_ids)]
+    assert 0 < len(aborted.token_ids) < len(baseline["good-1"][0])
+    assert {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()} == {
+        rid: v for rid, v in baseline.items() if rid != "good-1"}
+    assert_drained(engine)

@@ -1,0 +1,89 @@
+"""`pcg generate` as a subprocess: with --model, without (the bundled default model, built into a
+temporary cache), with --stream and with --json; its tokens equal the in-process engine's."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_helpers import make_llm
+from pcg_engine.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["The quick brown fox", "Café 中文 🙂"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+    """HOME and XDG_CACHE_HOME in a temporary directory: the default model is built there, never
+    in the user's ~/.cache."""
+    home = tmp_path_factory.mktemp("home")
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / "cache"), OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def pcg(env, *args, check=True):
+    argv = [sys.executable, "-m", "pcg_engine.cli", "generate", "--device", "cpu", "--max-tokens", str(MAX_TOKENS)]
+    for p in PROMPTS:
+        argv += ["--prompt", p]
+    proc = subprocess.run(argv + list(args), env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, f"pcg {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def parse_json_lines(stdout: str) -> list[dict]:
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def in_process(dense_path):
+    """What the engine produces in-process for the CLI's defaults (greedy, EOS honoured)."""
+    llm = make_llm(dense_path)
+    return llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+
+
+def test_generate_json(cli_env, dense_path, in_process):
+    rows = parse_json_lines(pcg(cli_env, "--model", str(dense_path), "--json").stdout)
+    assert [r["prompt"] for r in rows] == PROMPTS
+    for row, want in zip(rows, in_process):
+        assert row["token_ids"] == want.token_ids
+        assert row["text"] == want.text
+        assert row["finish_reason"] == want.finish_reason
+        assert row["ttft_s"] is not None and row["ttft_s"] >= 0 and row["e2e_s"] >= row["ttft_s"]
+
+
+def test_generate_stream(cli_env, dense_path, in_process):
+    """--stream prints the deltas as they come: the same text as the in-process run, one line per
+    prompt; the summary goes to stderr."""
+    stream = pcg(cli_env, "--model", str(dense_path), "--stream")
+    assert stream.stdout == "".join(o.text + "\n" for o in in_process)
+    assert "tokens in" in stream.stderr
+
+
+@pytest.mark.slow
+def test_generate_default_model(cli_env, monkeypatch):
+    """No --model: the bundled tiny model is built on first use into $XDG_CACHE_HOME, then reused."""
+    from pcg_engine.llm import LLM
+    from pcg_engine.models.checkpoint_maker import default_model_dir
+
+    cache = Path(cli_env["XDG_CACHE_HOME"])
+    rows = parse_json_lines(pcg(cli_env, "--json").stdout)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    built = default_model_dir()
+    assert cache in built.parents and (built / "config.json").is_file()
+    assert [d.name for d in built.parent.iterdir()] == [built.name]    # no half-built leftovers
+    stamp = (built / "config.json").stat().st_mtime_ns
+    llm = LLM(None, device="cpu")                # the same default, found in the cache
+    assert llm.engine.model_path == built
+    assert (built / "config.json").stat().st_mtime_ns == stamp          # reused, not rebuilt
+    want = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert [r["token_ids"] for r in rows] == [o.token_ids for o in want]
+    assert [r["text"] for r in rows] == [o.text for o in want]
+

@@ -1,0 +1,390 @@
+"""End-to-end generation on the CPU: greedy tokens equal transformers' generate (plain, with prefix-cache
+hits, under preemption, with chunked prefill; dense and MoE), seeded sampling independent of the batch,
+every stop condition, logprobs, streaming and incremental detokenization."""
+
+import pytest
+import torch
+
+from engine_helpers import assert_drained, assert_tokens, drain, make_llm, random_prompts
+from pcg_engine.engine.detokenizer import IncrementalDetokenizer
+from pcg_engine.errors import InvalidRequestError
+from pcg_engine.sampling_params import SamplingParams
+
+PRESETS = ["tiny-qwen3", "tiny-qwen3-moe"]
+LENGTHS = [3, 17, 8, 33, 12, 5]
+MAX_TOKENS = 20
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_paths):
+    """(preset, frozenset(config)) -> LLM, shared by the module's tests."""
+    cache = {}
+
+    def get(preset, **config):
+        key = (preset, frozenset(config.items()))
+        if key not in cache:
+            cache[key] = make_llm(tiny_paths[preset], **config)
+        llm = cache[key]
+        assert_drained(llm.engine)
+        return llm
+    return get
+
+
+def record_plans(engine):
+    """Keep every SchedulerOutput the engine plans (to check that a case did what it claims)."""
+    plans = []
+    real = engine.scheduler.schedule
+
+    def schedule():
+        out = real()
+        plans.append(out)
+        return out
+    engine.scheduler.schedule = schedule
+    return plans
+
+
+# ---- greedy equals transformers -----------------------------------------------------------------
+
+CASES = {
+    "plain": {},
+    "preemption": {"num_kv_blocks": 7},                # 6 usable blocks of 16 for ~14 blocks of work
+    "chunked": {"max_num_batched_tokens": 8},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_matches_transformers(preset, case, engines, hf_refs):
+    llm = engines(preset, **CASES[case])
+    ref = hf_refs(preset)
+    prompts = random_prompts(LENGTHS, seed=1)
+    want = [ref.greedy(p, MAX_TOKENS) for p in prompts]
+    plans = record_plans(llm.engine)
+    preempted0 = llm.engine.stats.preemptions
+    outs = llm.generate(prompts, greedy())
+    assert_tokens([o.token_ids for o in outs], want, case)
+    for o, w, p in zip(outs, want, prompts):
+        assert o.finish_reason == ("stop" if w[-1] in ref.eos else "length")
+        assert o.finished and o.prompt_token_ids == p
+    if case == "preemption":
+        assert llm.engine.stats.preemptions > preempted0, "the small cache forced no preemption"
+    if case == "chunked":
+        assert any(not s for p in plans for s in p.samples), "no prefill was chunked"
+        assert max(p.num_batched_tokens for p in plans) <= 8
+    assert_drained(llm.engine)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prefix_cache_hits_match_transformers(preset, engines, hf_refs):
+    llm = engines(preset)
+    ref = hf_refs(preset)
+    prefix = random_prompts([40], seed=2)[0]
+    suffixes = random_prompts([1, 5, 9, 16], seed=3)
+    prompts = [prefix + s for s in suffixes]
+    want = [ref.greedy(p, MAX_TOKENS) for p in prompts]
+    first = llm.generate(prompts[:1], greedy())
+    assert first[0].finished
+    outs = llm.generate(prompts[1:], greedy())     # submitted after the first one finished
+    assert_tokens([o.token_ids for o in first + outs], want, "prefix")
+    for o in outs:
+        assert o.metrics.num_cached_tokens > 0, "no prefix-cache hit"
+        assert o.metrics.num_cached_tokens % llm.config.block_size == 0
+        assert o.metrics.num_cached_tokens <= len(prefix)
+    # The same prompt again hits everything but its last (partial) block.
+    again = llm.generate(prompts[1:2], greedy())
+    assert again[0].token_ids == want[1]
+    assert again[0].metrics.num_cached_tokens >= len(prefix) // 16 * 16
+    assert_drained(llm.engine)
+
+
+def test_preemption_with_prefix_cache_and_chunking_together(engines, hf_refs):
+    """The three mechanisms at once, with a mixed batch of shared-prefix and unrelated prompts."""
+    llm = engines("tiny-qwen3", num_kv_blocks=12, max_num_batched_tokens=12, block_size=4)
+    ref = hf_refs("tiny-qwen3")
+    prefix = random_prompts([10], seed=4)[0]
+    prompts = [prefix + s for s in random_prompts([2, 7], seed=5)] + random_prompts([6, 11, 3], seed=6)
+    want = [ref.greedy(p, 12) for p in prompts]
+    before = llm.engine.stats.preemptions
+    outs = llm.generate(prompts, greedy(12))
+    assert_tokens([o.token_ids for o in outs], want, "mixed")
+    assert llm.engine.stats.preemptions > before
+    assert_drained(llm.engine)
+
+
+# ---- seeded sampling ----------------------------------------------------------------------------
+
+def test_seeded_sampling_is_independent_of_the_batch(engines):
+    llm = engines("tiny-qwen3")
+    prompts = random_prompts([5, 14, 9, 21], seed=7)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    # In one batch, in reverse order, next to an unseeded sampler and a greedy request.
+    extra = random_prompts([6, 10], seed=8)
+    batch_prompts = extra[:1] + prompts[::-1] + extra[1:]
+    batch_params = ([SamplingParams(temperature=1.0, max_tokens=16)] + params[::-1]
+                    + [greedy(16)])
+    together = [o.token_ids for o in llm.generate(batch_prompts, batch_params)][1:-1][::-1]
+    assert_tokens(together, alone, "seeded")
+    # Not vacuous: sampling is not greedy, and different seeds differ.
+    greedy_out = [o.token_ids for o in llm.generate(prompts, greedy(16, ignore_eos=True))]
+    assert alone != greedy_out
+    reseeded = llm.generate(prompts[:1], SamplingParams(temperature=0.8, top_p=0.9, seed=999, max_tokens=16,
+                                                        ignore_eos=True))[0].token_ids
+    assert reseeded != alone[0]
+    assert_drained(llm.engine)
+
+
+# ---- stop conditions ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plain_run(engines):
+    """Greedy outputs of a few prompts with ignore_eos: what the stop tests cut."""
+    llm = engines("tiny-qwen3")
+    prompts = random_prompts([4, 11, 19], seed=9)
+    outs = llm.generate(prompts, greedy(24, ignore_eos=True))
+    return prompts, [o.token_ids for o in outs], [o.text for o in outs]
+
+
+def test_stop_token_ids(engines, plain_run):
+    llm = engines("tiny-qwen3")
+    prompts, refs, _ = plain_run
+    cases = []
+    for prompt, ref in zip(prompts, refs):
+        for k in (0, 1, 5, len(ref) - 1):
+            cases.append((prompt, ref, ref[k]))
+    outs = llm.generate([c[0] for c in cases],
+                        [greedy(24, ignore_eos=True, stop_token_ids=[c[2]]) for c in cases])
+    for (prompt, ref, stop), out in zip(cases, outs):
+        k = ref.index(stop)               # the first occurrence stops it
+        assert out.token_ids == ref[:k + 1]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert_drained(llm.engine)
+
+
+def test_stop_token_ids_respect_min_tokens(engines, plain_run):
+    llm = engines("tiny-qwen3")
+    prompts, refs, _ = plain_run
+    stop = refs[0][1]
+    out = llm.generate(prompts[:1], greedy(24, ignore_eos=True, stop_token_ids=[stop], min_tokens=6))[0]
+    assert stop not in out.token_ids[:6]          # masked while fewer than min_tokens
+    assert len(out.token_ids) >= 6
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] == stop and stop not in out.token_ids[:-1]
+    assert out.token_ids[:1] == refs[0][:1]
+
+
+def test_stop_strings(engines, plain_run):
+    llm = engines("tiny-qwen3")
+    prompts, refs, texts = plain_run
+    cases = []
+    for prompt, ref, text in zip(prompts, refs, texts):
+        # A stop string taken from the middle of the text, one spanning a token boundary, and one
+        # that never occurs.
+        clean = [i for i in range(2, len(text) - 4) if "\ufffd" not in text[i:i + 3]]
+        i = clean[len(clean) // 2]
+        cases += [(prompt, ref, text, text[i:i + 3]), (prompt, ref, text, text[i + 1:i + 2]),
+                  (prompt, ref, text, "\x00never\x00")]
+    outs = llm.generate([c[0] for c in cases],
+                        [greedy(24, ignore_eos=True, stop=[c[3]]) for c in cases])
+    for (prompt, ref, text, stop), out in zip(cases, outs):
+        cut = text.find(stop)
+        if cut < 0:
+            assert out.text == text and out.finish_reason == "length" and out.token_ids == ref
+            continue
+        assert out.text == text[:cut], (stop, out.text, text)
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.token_ids == ref[:len(out.token_ids)]      # generation stopped, not diverged
+        # It stopped at the token that completed the stop string, not later.
+        assert stop in llm.tokenizer.decode(out.token_ids) or stop in llm.tokenizer.decode(
+            prompt[-4:] + out.token_ids)
+        assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
+    assert_drained(llm.engine)
+
+
+def test_max_tokens_and_max_model_len(tiny_paths, hf_refs):
+    llm = make_llm(tiny_paths["tiny-qwen3"], max_model_len=32)
+    ref = hf_refs("tiny-qwen3")
+    prompt = random_prompts([20], seed=10)[0]
+    want = ref.greedy(prompt, 12, stop_at_eos=False)
+    outs = llm.generate([prompt, prompt, prompt],
+                        [greedy(1, ignore_eos=True), greedy(5, ignore_eos=True), greedy(12, ignore_eos=True)])
+    assert [o.token_ids for o in outs] == [want[:1], want[:5], want]   # 12 = max_model_len - prompt
+    assert all(o.finish_reason == "length" and o.stop_reason is None for o in outs)
+    with pytest.raises(InvalidRequestError, match=r"max_tokens.*1\.\.12"):
+        llm.generate([prompt], greedy(13))
+    assert_drained(llm.engine)
+
+
+def test_eos_stops_unless_ignored(plain_run, eos_checkpoint):
+    """EOS taken from the generation config: point it at a token the model produces, then compare
+    with transformers, which reads the same file."""
+    from engine_helpers import HFReference
+
+    prompts, refs, _ = plain_run
+    eos = refs[1][6]
+    path = eos_checkpoint(eos)
+    llm = make_llm(path)
+    assert eos in llm.engine.eos_token_ids
+    ref = HFReference(path)
+    outs = llm.generate(prompts, greedy(24))
+    for prompt, full, out in zip(prompts, refs, outs):
+        want = ref.greedy(prompt, 24)              # transformers stops at the same EOS
+        assert out.token_ids == want
+        if eos in full:
+            assert out.token_ids == full[:full.index(eos) + 1]
+            assert out.finish_reason == "stop" and out.stop_reason is None
+        else:
+            assert out.finish_reason == "length"
+    assert outs[1].finish_reason == "stop"
+    ignored = llm.generate(prompts[1:2], greedy(24, ignore_eos=True))[0]
+    assert ignored.token_ids == refs[1] and ignored.finish_reason == "length"
+    assert_drained(llm.engine)
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_logprobs_match_transformers(preset, engines, hf_refs):
+    llm = engines(preset)
+    ref = hf_refs(preset)
+    prompts = random_prompts([7, 13], seed=11)
+    outs = llm.generate(prompts, [greedy(10, ignore_eos=True, logprobs=3),
+                                  SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True,
+                                                 logprobs=0)])
+    for prompt, out, n in zip(prompts, outs, (3, 0)):
+        assert len(out.logprobs) == len(out.token_ids) == 10
+        lp = ref.logprobs(prompt, out.token_ids)
+        for i, (entry, token) in enumerate(zip(out.logprobs, out.token_ids)):
+            assert entry["token"] == token
+            assert entry["logprob"] <= 0
+            assert entry["logprob"] == pytest.approx(lp[i, token].item(), abs=1e-4)
+            assert len(entry["top"]) == n
+            if n:
+                ids = [t for t, _ in entry["top"]]
+                values = [v for _, v in entry["top"]]
+                assert values == sorted(values, reverse=True)
+                assert ids[0] == token                   # greedy took the most likely token
+                assert values[0] == pytest.approx(entry["logprob"], abs=1e-6)
+                top = lp[i].topk(n)
+                assert ids == top.indices.tolist()
+                assert values == pytest.approx(top.values.tolist(), abs=1e-4)
+    # Without logprobs asked, none are returned.
+    assert llm.generate(prompts[:1], greedy(3))[0].logprobs is None
+    assert_drained(llm.engine)
+
+
+# ---- streaming ----------------------------------------------------------------------------------
+
+def test_stream_deltas_add_up(engines):
+    llm = engines("tiny-qwen3")
+    engine = llm.engine
+    others = random_prompts([9, 4], seed=12)
+    for i, p in enumerate(others):           # requests running alongside the stream
+        engine.add_request(p, greedy(30, ignore_eos=True), request_id=f"other-{i}")
+    prompt = "Café 中文 🙂 the quick brown fox"
+    deltas = list(llm.stream(prompt, greedy(20, ignore_eos=True)))
+    final = deltas[-1]
+    assert final.finished and all(not d.finished for d in deltas[:-1])
+    assert "".join(d.new_text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.new_token_ids] == final.token_ids
+    assert len(final.token_ids) == 20
+    rest = drain(engine)
+    assert set(rest) == {"other-0", "other-1"}
+    alone = llm.generate([prompt], greedy(20, ignore_eos=True))[0]
+    assert alone.token_ids == final.token_ids and alone.text == final.text
+    # A stop string straddling two deltas: the first half must not have been streamed already.
+    text, bounds, b = final.text, [], 0
+    for d in deltas[:-1]:
+        b += len(d.new_text)
+        stop_at = text[b - 1:b + 1]
+        if d.new_text and len(stop_at) == 2 and "\ufffd" not in stop_at and text.find(stop_at) == b - 1:
+            bounds.append(stop_at)
+    assert bounds, "no delta boundary to place a stop string on"
+    for stop_at in bounds[:2]:
+        cut = list(llm.stream(prompt, greedy(20, ignore_eos=True, stop=stop_at)))
+        assert "".join(d.new_text for d in cut) == cut[-1].text == text[:text.find(stop_at)]
+        assert cut[-1].finish_reason == "stop" and cut[-1].stop_reason == stop_at
+    # Leaving a stream early aborts its request: nothing leaks.
+    for i, _ in enumerate(llm.stream(prompt, greedy(20, ignore_eos=True))):
+        if i == 2:
+            break
+    drain(engine)
+    assert_drained(engine)
+
+
+# ---- detokenization -----------------------------------------------------------------------------
+
+TEXTS = [
+    "Café crème brûlée à São Paulo, naïve façade.",
+    "中文：你好，世界。我们今天学习机器学习。",
+    "Emoji: 🙂 😀 🚀 👩‍💻 🇫🇷 ❤️ done",
+    "Straße, Ærøskøbing, Kraków — “quotes” … ∑ ≈ €",
+    "日本語：こんにちは世界。한국어: 안녕하세요",
+    "mixed ascii then 🎉🔥 and Ελληνικά: καλημέρα",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(dense_path):
+    from pcg_engine.engine.tokenizer import load_tokenizer
+    return load_tokenizer(dense_path)
+
+
+def test_incremental_detokenizer_multibyte(tokenizer):
+    split_chars = 0
+    prompt = tokenizer("Say: ", add_special_tokens=False)["input_ids"]
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        split_chars += sum("\ufffd" in tokenizer.decode([i]) for i in ids)
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        deltas = [detok.add(t) for t in ids]
+        deltas.append(detok.flush())
+        assert "".join(deltas) == detok.text == tokenizer.decode(ids) == text
+        assert not any("\ufffd" in d for d in deltas), "a partial character was emitted"
+        # With a stop string that never matches, text is held back and flushed at the end.
+        held = IncrementalDetokenizer(tokenizer, prompt, stop=["\x00never-matches"])
+        deltas = [held.add(t) for t in ids] + [held.flush()]
+        assert "".join(deltas) == held.text == text and held.stopped_by is None
+        # Every prefix of the emitted text is a prefix of the final text (nothing is revised).
+        for n in range(1, len(ids)):
+            partial = IncrementalDetokenizer(tokenizer, prompt)
+            for t in ids[:n]:
+                partial.add(t)
+            assert text.startswith(partial.text)
+    assert split_chars > 10, "the texts never split a character across tokens: the test tests nothing"
+
+
+def test_incremental_detokenizer_stop_strings_multibyte(tokenizer):
+    text = TEXTS[1]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for stop in ("世界", "学习", "。", "你"):
+        detok = IncrementalDetokenizer(tokenizer, [5, 6], stop=[stop, "never"])
+        emitted = ""
+        for t in ids:
+            emitted += detok.add(t)
+            if detok.stopped_by is not None:
+                break
+        assert detok.stopped_by == stop
+        assert emitted == detok.text == text[:text.find(stop)]
+
+
+def test_generated_text_is_decoded_tokens(engines, tokenizer):
+    """Text prompts in several scripts: the engine's text equals decoding its tokens at once."""
+    llm = engines("tiny-qwen3")
+    outs = llm.generate(TEXTS, greedy(16, ignore_eos=True))
+    for out in outs:
+        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert_drained(llm.engine)
+
+
+def test_detokenize_false_gives_no_text(engines):
+    llm = engines("tiny-qwen3")
+    out = llm.generate(["hello"], greedy(4, detokenize=False))[0]
+    assert out.text == "" and len(out.token_ids) == 4
+    with_text = llm.generate(["hello"], greedy(4))[0]
+    assert with_text.token_ids == out.token_ids and with_text.text != ""

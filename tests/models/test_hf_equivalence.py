@@ -1,0 +1,324 @@
+"""The flat model equals transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM on the same checkpoint (fp32),
+fused and unfused; the loader refuses bad checkpoints with a CheckpointError naming file and tensor/field.
+
+The flat model is driven by hand here (AttentionMetadata + set_forward_context + the torch attention
+backend, block tables of shuffled block ids), independently of the engine's input batch: several
+prompts of different lengths packed into one flat prefill, then decode steps through the paged KV
+cache, one of them padded, one of them mixed with a late prompt's prefill.
+"""
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pcg_engine.attention.backend import kv_cache_shape, make_backend
+from pcg_engine.attention.context import ForwardContext, set_forward_context
+from pcg_engine.attention.metadata import AttentionMetadata
+from pcg_engine.attention.rope import rope_cache
+from pcg_engine.errors import CheckpointError
+from pcg_engine.models.fuse import parameter_bytes
+from pcg_engine.models.loader import load_model
+
+PRESETS = ["tiny-qwen3", "tiny-qwen3-moe"]
+BS = 4                 # small blocks: every request spans several, in shuffled order
+NUM_BLOCKS = 64
+PROMPT_LENS = [5, 17, 9, 1, 12]
+DECODE_STEPS = 5
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_checkpoint(tmp_path_factory, preset) -> Path:
+    """Built once per session (same place as the engine tests' copy)."""
+    from pcg_engine.models.checkpoint_maker import make_checkpoint
+
+    final = tmp_path_factory.getbasetemp() / "checkpoints" / preset
+    if not (final / "config.json").exists():
+        tmp = final.with_name(final.name + ".building")
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_checkpoint(preset, tmp, seed=0)
+        os.rename(tmp, final)
+    return final
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {p: tiny_checkpoint(tmp_path_factory, p) for p in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def hf_models(checkpoints):
+    from transformers import AutoModelForCausalLM
+    return {p: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+            for p, path in checkpoints.items()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class FlatDriver:
+    """Runs the flat model on hand-built flat batches over a paged KV cache."""
+
+    def __init__(self, model, seed=0):
+        cfg = model.config
+        self.model = model
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+        self.backend = make_backend("torch", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                    block_size=BS, cos_sin=rope_cache(head_dim, 256, theta))
+        self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, kv_heads, head_dim))
+                   for _ in range(cfg.num_hidden_layers)]
+        self.free = list(range(1, NUM_BLOCKS))          # block 0 is the scratch block
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def step(self, chunks: dict[int, list[int]], pad_tokens: int = 0) -> list[torch.Tensor]:
+        """chunks: request -> its new tokens. Returns per request the logits of its new tokens."""
+        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
+        for r, toks in chunks.items():
+            start = self.lens.get(r, 0)
+            table = self.tables.setdefault(r, [])
+            while len(table) * BS < start + len(toks):
+                table.append(self.free.pop())
+            for i, t in enumerate(toks):
+                p = start + i
+                ids.append(t)
+                pos.append(p)
+                slots.append(table[p // BS] * BS + p % BS)
+            self.lens[r] = start + len(toks)
+            qsl.append(qsl[-1] + len(toks))
+            seq_lens.append(self.lens[r])
+        ids += [0] * pad_tokens                          # padding: any token, scratch slot, no request
+        pos += [0] * pad_tokens
+        slots += [-1] * pad_tokens
+        width = max(len(self.tables[r]) for r in chunks)
+        bt = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for i, r in enumerate(chunks):
+            bt[i, :len(self.tables[r])] = torch.tensor(self.tables[r], dtype=torch.int32)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=bt, slot_mapping=torch.tensor(slots, dtype=torch.long), num_reqs=len(chunks),
+            num_tokens=len(ids), max_query_len=max(len(t) for t in chunks.values()), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32))
+        with set_forward_context(ForwardContext(meta, self.kv, self.backend)):
+            hidden = self.model(torch.tensor(ids), torch.tensor(pos))
+        assert hidden.shape[0] == len(ids)
+        logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32
+        return [logits[qsl[i]:qsl[i + 1]] for i in range(len(chunks))]
+
+
+class HFRunner:
+    """transformers, one sequence at a time with its own KV cache (no padding anywhere)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache: dict[int, object] = {}
+
+    @torch.inference_mode()
+    def step(self, r: int, toks: list[int]) -> torch.Tensor:
+        cache = self.cache.get(r)
+        if cache is None:
+            out = self.model(torch.tensor([toks]), use_cache=True)
+        else:
+            out = self.model(torch.tensor([toks]), **{self.cache_kw(): cache}, use_cache=True)
+        self.cache[r] = out.get("cache", None) or out.get("past_key_values")
+        return out.logits[0].float()
+
+    def cache_kw(self) -> str:
+        import inspect
+        params = inspect.signature(self.model.forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
+
+def run_schedule(flat_model, hf_model, prompts, late_prompt):
+    """Prefill all prompts in one flat batch, then decode; at decode step 2 a late prompt's prefill
+    joins the decodes, at step 3 the batch carries padding tokens. Returns per-step flat logits and
+    the largest relative error against transformers."""
+    flat, hf = FlatDriver(flat_model), HFRunner(hf_model)
+    chunks = dict(enumerate(prompts))
+    history, worst = [], 0.0
+    for step in range(DECODE_STEPS + 1):
+        if step == 2:
+            chunks[len(prompts)] = late_prompt
+        got = flat.step(chunks, pad_tokens=3 if step == 3 else 0)
+        history.append(torch.cat(got))
+        nxt = {}
+        for (r, toks), logits in zip(chunks.items(), got):
+            want = hf.step(r, toks)
+            assert logits.shape == want.shape
+            err = rel_err(logits, want)
+            assert err <= TOL, f"step {step}, request {r}: relative error {err:.2e}"
+            worst = max(worst, err)
+            nxt[r] = [int(want[-1].argmax())]
+        chunks = nxt
+    return history, worst
+
+
+def prompts_for(seed=0, vocab=1024):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_flat_model_matches_transformers_fused_and_unfused(preset, checkpoints, hf_models):
+    prompts = prompts_for(seed=1)
+    late = prompts_for(seed=2)[1][:7]
+    fused = load_model(checkpoints[preset], device="cpu", dtype=torch.float32)
+    unfused = load_model(checkpoints[preset], device="cpu", dtype=torch.float32, fuse=False)
+    assert fused.fused and not unfused.fused
+    hist_f, err_f = run_schedule(fused, hf_models[preset], prompts, late)
+    hist_u, err_u = run_schedule(unfused, hf_models[preset], prompts, late)
+    print(f"{preset}: worst relative error fused {err_f:.1e}, unfused {err_u:.1e}")
+    for a, b in zip(hist_f, hist_u):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fusion_deletes_the_originals(preset, checkpoints):
+    from safetensors.torch import load_file
+
+    fused = load_model(checkpoints[preset], device="cpu", dtype=torch.float32)
+    unfused = load_model(checkpoints[preset], device="cpu", dtype=torch.float32, fuse=False)
+    originals = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    for name, module in fused.named_modules():
+        for attr in originals:
+            assert not hasattr(module, attr), f"fused model keeps {name}.{attr}"
+    for name, _ in list(fused.named_parameters()) + list(fused.named_buffers()):
+        assert not any(f".{attr}." in f".{name}" for attr in originals), name
+    n_layers = fused.config.num_hidden_layers
+    assert sum(1 for n, _ in fused.named_parameters() if n.endswith("qkv_proj.weight")) == n_layers
+    count = lambda m: sum(p.numel() for p in m.parameters())      # noqa: E731
+    assert count(fused) == count(unfused)
+    assert parameter_bytes(fused) == parameter_bytes(unfused)
+    # ... and both hold exactly what the checkpoint holds.
+    stored = sum(t.numel() for t in load_file(str(checkpoints[preset] / "model.safetensors")).values())
+    assert count(fused) == stored
+
+
+# ---- bad checkpoints --------------------------------------------------------------------------
+
+@pytest.fixture
+def ckpt_copy(checkpoints, tmp_path):
+    """A private, writable copy of the tiny dense checkpoint."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["tiny-qwen3"], dst)
+    return dst
+
+
+def rewrite_weights(path: Path, edit):
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return file
+
+
+def load_error(path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        load_model(path, device="cpu", dtype=torch.float32)
+    return str(info.value)
+
+
+K = "model.layers.1.self_attn.k_proj.weight"
+
+
+def test_missing_directory(tmp_path):
+    missing = tmp_path / "nope"
+    msg = load_error(missing)
+    assert str(missing) in msg and "does not exist" in msg
+
+
+def test_missing_config(ckpt_copy):
+    (ckpt_copy / "config.json").unlink()
+    msg = load_error(ckpt_copy)
+    assert str(ckpt_copy / "config.json") in msg and "missing" in msg
+
+
+def test_invalid_json(ckpt_copy):
+    (ckpt_copy / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"],')
+    msg = load_error(ckpt_copy)
+    assert str(ckpt_copy / "config.json") in msg and "invalid JSON" in msg
+
+
+def test_unsupported_architecture(ckpt_copy):
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["model_type"] = "llama"
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    msg = load_error(ckpt_copy)
+    assert "config.json" in msg and "architectures" in msg and "LlamaForCausalLM" in msg
+    assert "Qwen3ForCausalLM" in msg                 # says what is supported
+
+
+def test_bad_config_field(ckpt_copy):
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg["num_key_value_heads"] = 3                   # 4 heads are not a multiple of 3
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    msg = load_error(ckpt_copy)
+    assert "config.json" in msg and "num_key_value_heads" in msg
+
+
+def test_missing_tensor(ckpt_copy):
+    rewrite_weights(ckpt_copy, lambda t: t.pop(K))
+    msg = load_error(ckpt_copy)
+    assert str(ckpt_copy) in msg and K in msg and "missing" in msg
+
+
+def test_extra_tensor(ckpt_copy):
+    extra = "model.layers.0.self_attn.extra_proj.weight"
+    file = rewrite_weights(ckpt_copy, lambda t: t.__setitem__(extra, torch.zeros(4, 4)))
+    msg = load_error(ckpt_copy)
+    assert str(file) in msg and extra in msg
+
+
+def test_wrong_shape_tensor(ckpt_copy):
+    def edit(t):
+        t[K] = torch.zeros(t[K].shape[0] + 1, t[K].shape[1])
+    file = rewrite_weights(ckpt_copy, edit)
+    msg = load_error(ckpt_copy)
+    assert str(file) in msg and K in msg and "shape" in msg
+
+
+def test_truncated_safetensors(ckpt_copy):
+    file = ckpt_copy / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) // 2])
+    msg = load_error(ckpt_copy)
+    assert str(file) in msg
+
+
+def test_only_pickled_bin(ckpt_copy):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(ckpt_copy / "model.safetensors"))
+    (ckpt_copy / "model.safetensors").unlink()
+    torch.save(tensors, ckpt_copy / "pytorch_model.bin")
+    msg = load_error(ckpt_copy)
+    assert str(ckpt_copy) in msg and "pytorch_model.bin" in msg and "safetensors" in msg
+
+
+def test_sharded_index_names_missing_shard(ckpt_copy):
+    index = {"metadata": {"total_size": 0}, "weight_map": {K: "model-00002-of-00002.safetensors"}}
+    (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    msg = load_error(ckpt_copy)
+    assert "model-00002-of-00002.safetensors" in msg and "missing" in msg
