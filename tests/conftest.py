@@ -1,7 +1,12 @@
 import os
 
-import pytest
-import torch
+# Without a GPU, Triton kernels run in its CPU interpreter. The variable must be set before the
+# first `import triton` anywhere in the process (torch._dynamo imports it), hence here, first.
+if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
