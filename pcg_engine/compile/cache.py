@@ -1,0 +1,226 @@
+"""The on-disk compile cache: Inductor's own FX-graph cache, pointed at a verified directory per key.
+
+Why Inductor's FX graph cache rather than saving artifacts ourselves: it exists unchanged in every
+torch this project supports, keys each graph by its code, input metadata, Inductor config and
+versions (so an artifact is never applied to a graph it was not built for), and covers the CPU
+(.so) and CUDA (Triton) outputs alike; `standalone_compile`'s save/load differs between releases.
+This file adds what Inductor's cache does not do: one directory per engine configuration,
+integrity checks, and refusal of directories other users could tamper with.
+
+  <root>/<key>/inductor/   TORCHINDUCTOR_CACHE_DIR while the set-up compiles
+  <root>/<key>/triton/     TRITON_CACHE_DIR likewise
+  <root>/<key>/manifest.json   sha256 and size of every file, written last and atomically
+
+key = sha256(model config, sha256 of pcg_engine/**/*.py, torch/triton/python versions, device,
+dtype, buckets, mode, fuse/kernels). At start an entry with no manifest (an interrupted build), a
+manifest for other fields, a missing, changed or unlisted file is deleted and rebuilt, never used.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import stat
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_SOURCE_ROOT = Path(__file__).resolve().parents[1]   # the pcg_engine package
+
+
+class CompileCacheError(PermissionError):
+    pass
+
+
+def default_cache_root() -> Path:
+    return Path(os.path.expanduser("~")) / ".cache" / "pcg_engine" / "compile"
+
+
+def source_hash(root: Path = _SOURCE_ROOT) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _versions() -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
+
+
+def _config_json(hf_config) -> str:
+    if hasattr(hf_config, "to_json_string"):
+        return hf_config.to_json_string()
+    return json.dumps(vars(hf_config), sort_keys=True, default=str)
+
+
+def cache_fields(runner, buckets, decode_buckets) -> dict:
+    device = runner.device
+    return {
+        "format": FORMAT,
+        "model_config": _config_json(runner.hf_config),
+        "sources": source_hash(),
+        **_versions(),
+        "device": device.type if device.type != "cuda" else f"cuda:{torch.cuda.get_device_name(device)}",
+        "dtype": str(runner.dtype),
+        "buckets": list(buckets or []),
+        "decode_buckets": list(decode_buckets or []),
+        "mode": runner.mode,
+        "fuse": bool(getattr(runner.model, "fused", False)),
+        "kernels": bool(getattr(runner.model, "kernels", False)),
+    }
+
+
+def check_private(path: Path) -> None:
+    """Refuse a directory another user owns or that group/others can write: they could plant code."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CompileCacheError(f"compile cache path {path} is not a directory")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise CompileCacheError(f"refusing compile cache directory {path}: owned by uid {st.st_uid}, not by this "
+                                f"user (uid {os.getuid()}); use compile_cache_dir= a directory of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CompileCacheError(f"refusing compile cache directory {path}: mode {oct(st.st_mode & 0o777)} lets group or "
+                                f"others write it; chmod 700 it or choose another compile_cache_dir")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(entry: Path) -> list[Path]:
+    return sorted(p for p in entry.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+class CompileCache:
+    def __init__(self, root, fields: dict):
+        self.root = Path(root) if root is not None else default_cache_root()
+        self.fields = fields
+        blob = json.dumps(fields, sort_keys=True).encode()
+        self.key = hashlib.sha256(blob).hexdigest()[:32]
+        self.entry = self.root / self.key
+        self.state: str | None = None       # "hit" (verified entry) or "miss" (new build)
+        self.rejected: str | None = None    # why an existing entry was deleted
+
+    def open(self) -> str:
+        """Create/verify the directories; returns 'hit' or 'miss'."""
+        if not self.root.exists():
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            os.chmod(self.root, 0o700)   # makedirs' mode is masked by the umask
+        check_private(self.root)
+        if self.entry.exists():
+            check_private(self.entry)
+            problem = self.verify()
+            if problem is None:
+                self.state = "hit"
+                return self.state
+            self.rejected = problem
+            shutil.rmtree(self.entry)
+        os.makedirs(self.entry, mode=0o700)
+        os.chmod(self.entry, 0o700)
+        self.state = "miss"
+        return self.state
+
+    def verify(self) -> str | None:
+        """None when the entry is complete and unchanged, else what is wrong with it."""
+        path = self.entry / MANIFEST
+        if not path.exists():
+            return "no manifest (interrupted build)"
+        try:
+            manifest = json.loads(path.read_text())
+            files = manifest["files"]
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            return f"unreadable manifest ({e})"
+        if manifest.get("fields") != self.fields:
+            return "manifest written for other versions or settings"
+        present = {str(p.relative_to(self.entry)) for p in _files(self.entry)}
+        if present != set(files):
+            extra, missing = present - set(files), set(files) - present
+            return f"files differ from the manifest (unlisted {sorted(extra)[:3]}, missing {sorted(missing)[:3]})"
+        for name, meta in files.items():
+            p = self.entry / name
+            if p.stat().st_size != meta["size"] or _sha256(p) != meta["sha256"]:
+                return f"checksum mismatch in {name}"
+        return None
+
+    def commit(self) -> None:
+        """Record every file of the entry; written last, atomically, so a partial build has none."""
+        files = {str(p.relative_to(self.entry)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in _files(self.entry)}
+        tmp = self.entry / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"fields": self.fields, "files": files}, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.entry / MANIFEST)
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Inductor and Triton read and write this entry (and only it) while the set-up compiles."""
+        with _inductor_dirs(self.entry / "inductor", self.entry / "triton"), _fx_cache(True):
+            yield self
+
+
+@contextlib.contextmanager
+def _set_env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
+def _inductor_dirs(inductor_dir: Path, triton_dir: Path):
+    # Inductor's in-memory caches are keyed by content hash, so modules already loaded in this
+    # process stay valid whichever directory they came from; they are not cleared.
+    inductor_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    triton_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with _set_env("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir)), _set_env("TRITON_CACHE_DIR", str(triton_dir)):
+        yield
+
+
+@contextlib.contextmanager
+def _fx_cache(enabled: bool):
+    """Turn Inductor's local FX graph cache (and AOTAutograd's, built on it) on or off."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    patches = [(inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache")]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in patches if hasattr(mod, name)]
+    for mod, name, _ in saved:
+        setattr(mod, name, enabled)
+    try:
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
+def no_cache():
+    """compile_cache=False: every start compiles from scratch (nothing read or written)."""
+    return _fx_cache(False)
+
+
+def inductor_cache_counters() -> dict:
+    from torch._dynamo.utils import counters
+    return {"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+            "bypass": counters["inductor"]["fxgraph_cache_bypass"]}

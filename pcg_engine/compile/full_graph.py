@@ -1,0 +1,134 @@
+"""Full decode graphs: a decode-only step replays one graph of the whole forward per batch bucket.
+
+A decode-only step of R requests has T = R tokens. The runner pads it to the bucket b >= R
+(`batch.prepare(pad_tokens_to=b, pad_reqs_to=b)`: padding requests have seq_len 0 and slot -1, so
+they write only the scratch block and attend to nothing) and calls `run`, which replays the graph
+captured for b. Attention is inside the graph, so the backend must be graph-safe, and the metadata
+the graph was captured with carries the bucket's host values (num_reqs = num_tokens = b,
+max_query_len = 1, max_seq_len = max_model_len) over views of the runner's static buffers: the
+replay launches exactly the captured grid, reading whatever the buffers hold this step. The
+Triton backend's split-KV path picks its grid from host values, so it is off while capturing.
+
+By default the captured forward is the eager model (its kernels are the fused ones on CUDA);
+`forward=` may pass another one (e.g. a compiled forward inside `GraphPool.no_graphs()`).
+"""
+
+import contextlib
+import time
+
+import torch
+
+from pcg_engine.attention.context import ForwardContext, set_forward_context
+from pcg_engine.attention.metadata import AttentionMetadata
+from pcg_engine.compile.cuda_graph import GraphPool, capture
+
+
+def default_decode_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, max_num_seqs + 1, 8))
+    sizes = [s for s in sizes if s <= max_num_seqs]
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+@contextlib.contextmanager
+def no_split_kv(backend):
+    """Split-KV sizes its grid from the step's max_seq_len; a graph must not depend on that."""
+    if not hasattr(backend, "allow_split_kv"):
+        yield
+        return
+    previous = backend.allow_split_kv
+    backend.allow_split_kv = False
+    try:
+        yield
+    finally:
+        backend.allow_split_kv = previous
+
+
+class FullDecodeGraphs:
+    def __init__(self, runner, buckets=None, pool: GraphPool | None = None, forward=None, warmups: int = 2):
+        if not getattr(runner.backend, "cuda_graph_safe", False):
+            raise ValueError(f"full decode graphs need a graph-safe attention backend; {runner.backend.name!r} "
+                             "reads host values per step (use attention_backend='triton' or mode 'piecewise')")
+        self.runner = runner
+        limit = min(runner.config.max_num_seqs, runner.max_num_tokens)
+        wanted = buckets or default_decode_buckets(limit)
+        self.buckets = sorted({b for b in wanted if 1 <= b <= limit})
+        if not self.buckets:
+            raise ValueError(f"decode_buckets: none of {wanted} is within 1..{limit} (max_num_seqs)")
+        self.pool = pool if pool is not None else GraphPool(runner.device)
+        self.forward = forward or runner.model.forward
+        self.warmups = warmups
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.captures: dict[int, int] = {}
+        self.replays = 0
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        if num_reqs > self.buckets[-1]:
+            return None
+        return next(b for b in self.buckets if b >= num_reqs)
+
+    def metadata(self, bucket: int) -> AttentionMetadata:
+        """Metadata over the static buffers with the bucket's host values (see the module docstring)."""
+        b = self.runner.batch
+        return AttentionMetadata(
+            query_start_loc=b.query_start_loc[:bucket + 1], seq_lens=b.seq_lens[:bucket],
+            block_table=b.step_block_table[:bucket], slot_mapping=b.slot_mapping[:bucket],
+            num_reqs=bucket, num_tokens=bucket, max_query_len=1, max_seq_len=self.runner.max_model_len)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        runner, b = self.runner, self.runner.batch
+        context = ForwardContext(self.metadata(bucket), runner.kv_caches, runner.backend)
+        with set_forward_context(context):
+            return self.forward(b.input_ids[:bucket], b.positions[:bucket])
+
+    def _dummy_batch(self, bucket: int) -> None:
+        """A decode batch of padding requests: one token each, seq_len 0, slot -1."""
+        b = self.runner.batch
+        b.input_ids[:bucket].zero_()
+        b.positions[:bucket].zero_()
+        b.slot_mapping[:bucket].fill_(-1)
+        b.query_start_loc[:bucket + 1].copy_(torch.arange(bucket + 1, dtype=b.query_start_loc.dtype))
+        b.seq_lens[:bucket].zero_()
+        b.step_block_table[:bucket].zero_()
+
+    @torch.inference_mode()
+    def capture_all(self, progress=None) -> float:
+        """Capture every bucket, largest first, into the shared pool; returns seconds spent."""
+        if not self.pool.enabled:
+            return 0.0
+        t0 = time.perf_counter()
+        task = progress.add_task("full decode graphs", total=len(self.buckets)) if progress is not None else None
+        with no_split_kv(self.runner.backend):
+            for bucket in sorted(self.buckets, reverse=True):
+                self._dummy_batch(bucket)
+                with torch.cuda.stream(self.pool.stream):
+                    self.pool.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+                    for _ in range(self.warmups):   # compile/autotune kernels, create workspaces
+                        self._forward(bucket)
+                torch.cuda.current_stream(self.pool.device).wait_stream(self.pool.stream)
+                graph, out = capture(self.pool, self._forward, bucket)
+                self.graphs[bucket], self.outputs[bucket] = graph, out
+                self.captures[bucket] = self.captures.get(bucket, 0) + 1
+                if task is not None:
+                    progress.advance(task)
+        torch.cuda.synchronize(self.pool.device)
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def run(self, inputs, runner=None) -> torch.Tensor:
+        """Replay the step's bucket; inputs are already in the static buffers. Returns hidden [bucket, D]."""
+        bucket = inputs.metadata.num_reqs
+        b = self.runner.batch
+        if inputs.input_ids.data_ptr() != b.input_ids.data_ptr() or inputs.input_ids.shape[0] != bucket:
+            raise RuntimeError(f"full decode graph for bucket {bucket} needs the step padded to it in the static "
+                               f"buffers; got {inputs.input_ids.shape[0]} tokens")
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return self.outputs[bucket]
+        # No graph (CPU, or capture skipped): the same computation on the same buffers, eagerly.
+        with no_split_kv(self.runner.backend):
+            return self._forward(bucket)

@@ -1,0 +1,131 @@
+"""Wiring the compiled modes into a ModelRunner (called for every mode except 'eager').
+
+  compile             forward_fn = CompiledForward(split=False): the whole forward through Inductor
+  piecewise           forward_fn = CompiledForward(split=True) with a CUDA graph per piece and token
+                      bucket; token_buckets tells the runner what to pad to
+  full_decode         full_graphs = FullDecodeGraphs over the eager model; prefill stays eager
+  full_and_piecewise  both
+
+Token buckets start at 2, never 1: Dynamo specialises a size-1 dim, so a one-token step would
+retrace; padding it to two tokens (the extra one writes the scratch block) keeps one trace. That is
+also why 'compile' gets token_buckets = [2]: a single decode is padded, nothing else is.
+
+On the CPU everything but capture runs: split, compiled pieces, bucket padding, the compile cache.
+On CUDA the compiled forward runs once at the largest bucket (Dynamo + Inductor), then every bucket
+is captured largest first into one shared pool: the piecewise graphs, then the full decode graphs.
+"""
+
+import time
+
+import torch
+
+from pcg_engine.attention.context import ForwardContext, set_forward_context
+from pcg_engine.compile.cache import (CompileCache, cache_fields, inductor_cache_counters, no_cache)
+from pcg_engine.compile.cuda_graph import GraphPool
+from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
+from pcg_engine.compile.piecewise import MIN_TRACED_TOKENS, CompiledForward
+from pcg_engine.config import default_buckets
+
+COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
+FULL_MODES = ("full_decode", "full_and_piecewise")
+
+
+def token_buckets_for(runner) -> list[int]:
+    config = runner.config
+    limit = runner.max_num_tokens
+    wanted = config.cudagraph_buckets or default_buckets(min(config.max_capture_tokens, limit))
+    return sorted({max(b, MIN_TRACED_TOKENS) for b in wanted if b <= limit})
+
+
+def _dummy_forward(runner, forward, num_tokens: int):
+    """A forward over the static buffers with no requests (attention writes zeros)."""
+    b = runner.batch
+    with set_forward_context(ForwardContext(None, runner.kv_caches, runner.backend)):
+        return forward(b.input_ids[:num_tokens], b.positions[:num_tokens])
+
+
+def _progress_task(progress, description, total):
+    if progress is None:
+        return None
+    return progress.add_task(description, total=total)
+
+
+@torch.inference_mode()
+def capture_piecewise(runner, forward: CompiledForward, buckets, progress=None) -> float:
+    """One dummy forward per bucket, largest first, inside the pool's capture phase."""
+    pool = forward.graphs
+    t0 = time.perf_counter()
+    task = _progress_task(progress, "piecewise CUDA graphs", len(buckets))
+    with pool.capture_phase():
+        for bucket in sorted(buckets, reverse=True):
+            _dummy_forward(runner, forward, bucket)
+            if task is not None:
+                progress.advance(task)
+    torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - t0
+
+
+def _open_cache(runner, buckets, decode_buckets):
+    if not runner.config.compile_cache:
+        runner.timings["compile_cache_hit"] = 0.0
+        return None, no_cache()
+    cache = CompileCache(runner.config.compile_cache_dir, cache_fields(runner, buckets, decode_buckets))
+    state = cache.open()
+    runner.timings["compile_cache_hit"] = 1.0 if state == "hit" else 0.0
+    runner.timings["compile_cache_rebuilt"] = 1.0 if cache.rejected else 0.0
+    runner.compile_cache = cache
+    return cache, cache.activate()
+
+
+@torch.inference_mode()
+def setup_compiled_modes(runner, progress=None) -> None:
+    mode, config, timings = runner.mode, runner.config, runner.timings
+    cuda = runner.device.type == "cuda"
+    pool = GraphPool(runner.device)
+    runner.graph_pool = pool
+    buckets = token_buckets_for(runner) if mode in ("piecewise", "full_and_piecewise") else []
+    decode_buckets = None
+    if mode in FULL_MODES:
+        decode_buckets = config.decode_buckets or default_decode_buckets(min(config.max_num_seqs,
+                                                                                 runner.max_num_tokens))
+
+    if mode in COMPILED_MODES:
+        split = mode != "compile"
+        forward = CompiledForward(runner.model, split=split, graphs=pool if split else None, buckets=buckets)
+        runner.forward_fn = forward
+        runner.token_buckets = buckets if split else [MIN_TRACED_TOKENS]
+        cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
+        before = inductor_cache_counters()
+        with cache_ctx:
+            # Trace and compile at the largest size the runner will graph (Inductor's size hint).
+            trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens, runner.max_num_tokens),
+                               MIN_TRACED_TOKENS)
+            _dummy_forward(runner, forward, trace_tokens)
+        if cache is not None:
+            cache.commit()
+        after = inductor_cache_counters()
+        stats = forward.stats
+        timings["inductor_s"] = stats.inductor_s
+        timings["dynamo_s"] = max((forward.first_call_s or 0.0) - stats.inductor_s, 0.0)
+        timings["dynamo_traces"] = float(stats.dynamo_traces)
+        timings["inductor_compiles"] = float(stats.inductor_compiles)
+        timings["compiled_pieces"] = float(stats.pieces)
+        timings["inductor_cache_hits"] = float(after["hit"] - before["hit"])
+        timings["inductor_cache_misses"] = float(after["miss"] - before["miss"])
+        reserved0 = torch.cuda.memory_reserved(runner.device) if cuda else 0
+        if cuda and split:
+            timings["capture_s"] = capture_piecewise(runner, forward, buckets, progress)
+    else:
+        runner.token_buckets = []
+        reserved0 = torch.cuda.memory_reserved(runner.device) if cuda else 0
+
+    if mode in FULL_MODES:
+        graphs = FullDecodeGraphs(runner, decode_buckets, pool=pool)
+        runner.full_graphs = graphs
+        timings["capture_s"] = timings.get("capture_s", 0.0) + graphs.capture_all(progress)
+
+    if cuda:
+        timings["graph_pool_mib"] = (torch.cuda.memory_reserved(runner.device) - reserved0) / 2**20
+
+
+__all__ = ["setup_compiled_modes", "token_buckets_for", "capture_piecewise"]
