@@ -1,0 +1,226 @@
+"""What every benchmark shares: model and engine flags, the environment record, stats, tables, JSON.
+
+A figure counts only with the command, commit, date and card that produced it (BENCHMARKS.md), so
+every JSON a benchmark writes carries `env_record()` and the full configuration next to its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- model ---------------------------------------------------------------------------------------
+def resolve_model(model: str | None, seed: int = 0) -> str:
+    """A checkpoint directory, or a preset name built once into the user cache (random weights)."""
+    from pcg_engine.models import presets
+    from pcg_engine.models.checkpoint_maker import DEFAULT_PRESET, ensure_default_model, make_checkpoint
+
+    if model is None or model == DEFAULT_PRESET:
+        return str(ensure_default_model())
+    if Path(model).is_dir():
+        return str(model)
+    if model not in presets.PRESETS:
+        raise SystemExit(f"--model: {model!r} is neither a checkpoint directory nor a preset; "
+                         f"presets: {', '.join(sorted(presets.PRESETS))}")
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pcg_engine" / "models"
+    final = root / f"{model}-seed{seed}"
+    if (final / "config.json").exists():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    import torch
+    # Build aside, then rename: an interrupted build never leaves a half-written model behind.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        make_checkpoint(model, tmp, seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or preset name (tiny-qwen3, qwen3-0.6b, ...; built on first use)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random dataset")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--attention-backend", default=None, help="auto, torch, triton")
+    return p
+
+
+_ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
+                 "gpu_memory_utilization", "attention_backend")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields given on the command line; the rest keep EngineConfig's defaults."""
+    return {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+
+
+def parse_modes(spec: str) -> list[tuple[str, dict]]:
+    """'eager,piecewise+async,full_and_piecewise+sync+unfused' -> [(name, EngineConfig overrides)].
+
+    A mode is an EngineConfig mode (or auto); '+async' / '+sync' pin async scheduling (else the
+    device default), '+unfused' loads without fusion or Triton kernels (the chapter's eager config)."""
+    from pcg_engine.config import MODES
+    out = []
+    for name in [s.strip() for s in spec.split(",") if s.strip()]:
+        mode, *flags = name.split("+")
+        if mode not in MODES + ("auto",):
+            raise SystemExit(f"--modes: {mode!r} is not a mode; allowed: {', '.join(MODES)}, auto")
+        kw: dict = {"mode": mode}
+        for f in flags:
+            if f == "async":
+                kw["async_scheduling"] = True
+            elif f == "sync":
+                kw["async_scheduling"] = False
+            elif f == "unfused":
+                kw.update(fuse=False, kernels=False)
+            else:
+                raise SystemExit(f"--modes: unknown suffix '+{f}' in {name!r}; allowed: +async, +sync, +unfused")
+        out.append((name, kw))
+    if not out:
+        raise SystemExit("--modes: give at least one mode")
+    return out
+
+
+def build_llm(model_path: str, **config):
+    from pcg_engine.llm import LLM
+    return LLM(model_path, **config)
+
+
+def free_llm(llm) -> None:
+    """Drop an engine and its KV cache / graph pool before the next mode is built."""
+    del llm
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def reset_stats(llm) -> None:
+    llm.engine.stats = type(llm.engine.stats)()
+
+
+# ---- environment -----------------------------------------------------------------------------------
+def env_record(model: str, device: str = "auto") -> dict:
+    import torch
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    try:
+        from importlib.metadata import version
+        triton = version("triton")
+    except Exception:      # not installed (e.g. macOS), or metadata missing
+        triton = None
+    on_cuda = torch.cuda.is_available() and not str(device).startswith("cpu")
+    name = torch.cuda.get_device_name() if on_cuda else f"CPU ({platform.processor() or platform.machine()})"
+    return {"model": str(model), "commit": commit, "torch": torch.__version__, "triton": triton,
+            "device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+# ---- numbers -------------------------------------------------------------------------------------
+def percentiles(values, scale: float = 1.0) -> dict:
+    """{mean, median, p90, p99} of values * scale (linear interpolation); zeros when empty."""
+    if len(values) == 0:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values, dtype=np.float64) * scale
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+def length_bounds(length: int, ratio: float) -> tuple[int, int]:
+    """Integer bounds of lengths uniform in [length * (1 - ratio), length * (1 + ratio)], at least 1."""
+    if length < 1 or not 0 <= ratio < 1:
+        raise SystemExit(f"length {length} / --range-ratio {ratio}: need length >= 1 and 0 <= ratio < 1")
+    lo = max(1, int(round(length * (1 - ratio))))
+    return lo, max(lo, int(round(length * (1 + ratio))))
+
+
+def token_pool(llm) -> np.ndarray:
+    """Ids a random prompt may use: inside both the tokenizer's and the model's vocabulary, no specials
+    (a random <|im_end|> in a prompt would change what the prompt means to a real model)."""
+    tok = llm.tokenizer
+    n = min(len(tok), llm.engine.vocab_size)
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    pool = np.array([i for i in range(n) if i not in special], dtype=np.int64)
+    if len(pool) == 0:
+        raise SystemExit("the tokenizer has no non-special ids to draw random prompts from")
+    return pool
+
+
+def random_prompts(rng: np.random.Generator, pool: np.ndarray, lengths, prefix_len: int = 0) -> list[list[int]]:
+    prefix = rng.choice(pool, size=prefix_len).tolist() if prefix_len else []
+    return [prefix + rng.choice(pool, size=int(n)).tolist() for n in lengths]
+
+
+def bench_params(max_tokens: int, temperature: float = 0.0, detokenize: bool = False):
+    """EOS ignored so every request produces exactly max_tokens; no detokenization by default (random
+    ids need not decode to text, and the protocols time the engine, not the tokenizer)."""
+    from pcg_engine.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=int(max_tokens), temperature=temperature, ignore_eos=True,
+                          detokenize=detokenize)
+
+
+# ---- output --------------------------------------------------------------------------------------
+def fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def print_table(title: str, headers: list[str], rows: list[list], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=title)
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*[fmt(v) for v in row])
+    console = console or Console()
+    if not console.is_terminal:      # logs and pipes: rich's 80 columns would squeeze the numbers
+        console = Console(width=200, file=console.file)
+    console.print(table)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, default=str)
+        f.write("\n")
+
+
+def config_record(args: argparse.Namespace) -> dict:
+    """The full command-line configuration, JSON-safe (inf rates become the string 'inf')."""
+    out = {}
+    for k, v in vars(args).items():
+        out[k] = "inf" if isinstance(v, float) and v == float("inf") else v
+    return out

@@ -1,0 +1,116 @@
+"""P4: host milliseconds per decode step without the model: rebuild vs persistent input batch.
+
+    pcg bench overhead --host-only --model qwen3-0.6b --batch-sizes 16,64,256
+
+The real engine runs (scheduler, block manager, sampler, placeholder bookkeeping, outputs), but the
+runner's forward is replaced from outside by fake logits, so a step's host time is scheduling + input
+preparation + output bookkeeping. The two input paths are swapped into the same engine: the
+per-step rebuild (rebuild_baseline.py) and the persistent InputBatch. Steps are timed only once
+every request is decoding. Host time is the engine's own: step() wall time minus the token read-back
+wait (engine.stats); prepare_ms is the input preparation alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from pcg_engine.bench import common
+from pcg_engine.bench.rebuild_baseline import RebuildBatch
+
+
+class FakeForward:
+    """Stands in for ModelRunner.execute: prepares the inputs for real, returns constant logits."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.logits = torch.zeros(runner.config.max_num_seqs, runner.vocab_size, device=runner.device)
+        self.prepare_s = 0.0
+
+    def __call__(self, scheduled, previous_tokens=None):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            inputs = self.runner.batch.prepare(scheduled, previous_tokens=previous_tokens)
+        self.prepare_s += time.perf_counter() - t0
+        return self.logits[:len(inputs.sample_rows)], inputs
+
+
+def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int, seed: int) -> dict:
+    engine, runner = llm.engine, llm.engine.runner
+    persistent = runner.batch
+    if impl == "rebuild":
+        runner.batch = RebuildBatch(runner.config.max_num_seqs, runner.block_size, runner.device)
+    fake = FakeForward(runner)
+    runner.execute = fake
+    common.reset_stats(llm)
+    try:
+        rng = np.random.default_rng(seed)
+        prompts = common.random_prompts(rng, common.token_pool(llm), [prompt_len] * n)
+        # Enough tokens that nobody finishes while timed: prefill chunks + warm-up + timed steps.
+        prefill_steps = -(-n * prompt_len // engine.config.max_num_batched_tokens) + 2
+        params = common.bench_params(prefill_steps + warm_steps + steps + 4)
+        ids = [engine.add_request(p, params) for p in prompts]
+        while engine.stats.generated_tokens < n:          # until every request has its first token
+            engine.step()
+        for _ in range(warm_steps):
+            engine.step()
+        common.reset_stats(llm)
+        fake.prepare_s = 0.0
+        for _ in range(steps):
+            engine.step()
+        stats = engine.stats
+        decoded = stats.generated_tokens
+        result = {"impl": impl, "running": n, "steps": stats.steps,
+                  "host_ms_per_step": 1000 * stats.host_s / stats.steps,
+                  "prepare_ms_per_step": 1000 * fake.prepare_s / stats.steps,
+                  "sync_wait_ms_per_step": 1000 * stats.sync_wait_s / stats.steps,
+                  "tokens_per_step": decoded / stats.steps}
+        for rid in ids:
+            if rid in engine.requests:
+                engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return result
+    finally:
+        del runner.execute                  # back to the class's method
+        runner.batch = persistent
+
+
+def run_host_only(args, console) -> dict:
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    biggest = max(sizes)
+    kw = common.engine_kwargs(args)
+    kw.update(mode="eager", max_num_seqs=biggest, async_scheduling=args.host_async)
+    kw.setdefault("max_num_batched_tokens", 2048)
+    per_request = -(-(args.prompt_len + args.host_steps + args.warm_steps + 64) // 16) + 1
+    if kw.get("device", "auto") == "cpu" or not torch.cuda.is_available():
+        kw.setdefault("num_kv_blocks", biggest * per_request + 16)   # the CPU default (512) is too small
+    model = common.resolve_model(args.model, args.seed)
+    llm = common.build_llm(model, **kw)
+    rows = []
+    for n in sizes:
+        for impl in ("rebuild", "persistent"):
+            with console.status(f"{impl} at {n} running requests"):
+                rows.append(measure(llm, impl, n, args.host_steps, args.prompt_len, args.warm_steps, args.seed))
+    common.free_llm(llm)
+    by = {(r["impl"], r["running"]): r for r in rows}
+    summary = []
+    for n in sizes:
+        reb, per = by[("rebuild", n)], by[("persistent", n)]
+        summary.append({"running": n, "rebuild_host_ms": reb["host_ms_per_step"],
+                        "persistent_host_ms": per["host_ms_per_step"],
+                        "speedup": reb["host_ms_per_step"] / max(per["host_ms_per_step"], 1e-9),
+                        "rebuild_prepare_ms": reb["prepare_ms_per_step"],
+                        "persistent_prepare_ms": per["prepare_ms_per_step"],
+                        "prepare_speedup": reb["prepare_ms_per_step"] / max(per["prepare_ms_per_step"], 1e-9)})
+    common.print_table(f"host ms per decode step (no model; async={args.host_async}); "
+                       "target: persistent <= 0.25 ms at 256 and >= 4x faster than rebuild",
+                       ["running", "rebuild ms", "persistent ms", "speed-up", "rebuild prepare ms",
+                        "persistent prepare ms", "prepare speed-up"],
+                       [[s["running"], s["rebuild_host_ms"], s["persistent_host_ms"], f"{s['speedup']:.2f}x",
+                         s["rebuild_prepare_ms"], s["persistent_prepare_ms"], f"{s['prepare_speedup']:.2f}x"]
+                        for s in summary])
+    return {"benchmark": "host_overhead", **common.env_record(model, args.device),
+            "config": common.config_record(args), "host_only": summary, "runs": rows}

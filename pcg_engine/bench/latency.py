@@ -1,0 +1,111 @@
+"""P1: batch-1 decode latency: TTFT and TPOT = decode time / (new tokens - 1), greedy, EOS ignored.
+
+    pcg bench latency --model qwen3-0.6b --modes eager,full_and_piecewise --json p1.json
+
+Each iteration uses fresh random prompts (a repeated prompt would hit the prefix cache and shorten
+TTFT). Warm-up iterations run first and are not counted. Times are taken as outputs reach the
+caller (generate's on_output), i.e. what a user of the API sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from pcg_engine.bench import common
+
+
+def one_iteration(llm, prompts, params) -> list[dict]:
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def on_output(out):
+        now = time.monotonic()
+        if out.new_token_ids and out.request_id not in first:
+            first[out.request_id] = now
+        if out.finished:
+            last[out.request_id] = now
+            counts[out.request_id] = len(out.token_ids)
+
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params, on_output=on_output)
+    rows = []
+    for out in outs:
+        rid, n = out.request_id, counts[out.request_id]
+        ttft = first[rid] - t0
+        decode = last[rid] - first[rid]
+        rows.append({"ttft_ms": 1000 * ttft, "tpot_ms": 1000 * decode / max(n - 1, 1), "e2el_ms": 1000 * (last[rid] - t0),
+                     "output_len": n})
+    return rows
+
+
+def run_mode(llm, args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    pool = common.token_pool(llm)
+    params = common.bench_params(args.output_len)
+    for _ in range(args.warmup_iters):
+        one_iteration(llm, common.random_prompts(rng, pool, [args.input_len] * args.batch_size), params)
+    common.reset_stats(llm)
+    rows = []
+    for _ in range(args.num_iters):
+        rows += one_iteration(llm, common.random_prompts(rng, pool, [args.input_len] * args.batch_size), params)
+    stats = llm.engine.stats
+    tpot = common.percentiles([r["tpot_ms"] for r in rows])
+    return {"ttft_ms": common.percentiles([r["ttft_ms"] for r in rows]), "tpot_ms": tpot,
+            "e2el_ms": common.percentiles([r["e2el_ms"] for r in rows]),
+            "decode_tok_s_per_request": 1000 / tpot["mean"] if tpot["mean"] else 0.0,
+            "output_lens": sorted({r["output_len"] for r in rows}),
+            "host_ms_per_step": 1000 * stats.host_s / max(stats.steps, 1), "steps": stats.steps,
+            "engine_mode": llm.engine.runner.mode, "async_scheduling": llm.engine.async_scheduling,
+            "iterations": rows}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pcg bench latency", description=__doc__.split("\n\n")[0])
+    common.add_common_args(p)
+    p.add_argument("--modes", default="auto", help="comma-separated modes; ratios are against the first")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--warmup-iters", type=int, default=2)
+    return p
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    args = make_parser().parse_args(argv)
+    if args.output_len < 2:
+        raise SystemExit("--output-len must be >= 2: TPOT divides the decode time by (new tokens - 1)")
+    console = Console(stderr=True)
+    model = common.resolve_model(args.model, args.seed)
+    results = {}
+    for name, mode_kw in common.parse_modes(args.modes):
+        console.print(f"[bold]mode {name}[/bold]: building the engine")
+        llm = common.build_llm(model, **common.engine_kwargs(args), **mode_kw)
+        with console.status(f"{name}: {args.warmup_iters} warm-up + {args.num_iters} iterations"):
+            results[name] = run_mode(llm, args)
+        common.free_llm(llm)
+        del llm
+    base = next(iter(results.values()))
+    common.print_table(f"latency: batch {args.batch_size}, {args.input_len} prompt tokens, {args.output_len} new",
+                       ["mode", "TTFT ms (median)", "TPOT ms (median)", "TPOT p90", "tok/s per request",
+                        "host ms/step", "TPOT speed-up vs first", "TTFT speed-up vs first"],
+                       [[n, r["ttft_ms"]["median"], r["tpot_ms"]["median"], r["tpot_ms"]["p90"],
+                         r["decode_tok_s_per_request"], r["host_ms_per_step"],
+                         f"{base['tpot_ms']['median'] / max(r['tpot_ms']['median'], 1e-9):.2f}x",
+                         f"{base['ttft_ms']['median'] / max(r['ttft_ms']['median'], 1e-9):.2f}x"]
+                        for n, r in results.items()])
+    payload = {"benchmark": "latency", **common.env_record(model, args.device), "config": common.config_record(args),
+               **base}
+    if len(results) > 1:
+        payload["modes"] = results
+    common.write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

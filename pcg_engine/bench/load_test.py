@@ -1,0 +1,226 @@
+"""P3: time to first token under load, with Poisson or gamma arrivals, for one or several engine modes.
+
+    pcg bench load-test --model qwen3-0.6b --request-rate 20 --num-prompts 500 \
+        --input-len 1024 --output-len 128 --goodput ttft:200 tpot:20 \
+        --modes eager,piecewise,full_and_piecewise --json load.json [--sweep-rates]
+
+Gaps between submissions are gamma-distributed with shape = burstiness and mean 1 / rate: shape 1 is a
+Poisson process, smaller is burstier (coefficient of variation of the gaps = 1 / sqrt(shape)). The
+engine runs in its own thread (engine_thread.py); the client submits on schedule regardless of how far
+behind the engine is, so queueing shows up in TTFT, as it would for a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+
+from pcg_engine.bench import common
+from pcg_engine.bench.engine_thread import EngineLoop, run_client
+from pcg_engine.bench.load_metrics import parse_slos, summarize, table_rows
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Submission times (s from the start) of n requests; the first at 0, all at 0 for rate inf."""
+    if rate == float("inf"):
+        return np.zeros(n)
+    if rate <= 0 or burstiness <= 0:
+        raise SystemExit(f"--request-rate ({rate}) and --burstiness ({burstiness}) must be > 0")
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if n else np.zeros(0)
+
+
+def build_dataset(args, llm, num: int, seed: int) -> list[tuple[list[int], int]]:
+    """[(prompt ids, output length)], from --dataset JSONL or random ids (same seed, same prompts).
+
+    Warm-up and sweep trials draw with other seeds: reusing a prompt would hit the prefix cache."""
+    rng = np.random.default_rng(seed)
+    if args.dataset:
+        items = []
+        with open(args.dataset, encoding="utf-8") as f:
+            for line in f:
+                if line.strip() and len(items) < num:
+                    obj = json.loads(line)
+                    prompt = obj["prompt"]
+                    ids = (list(prompt) if isinstance(prompt, list)
+                           else llm.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                    items.append((ids, int(obj.get("output_len", args.output_len))))
+    else:
+        lo, hi = common.length_bounds(args.input_len, args.range_ratio)
+        olo, ohi = common.length_bounds(args.output_len, args.range_ratio)
+        in_lens = rng.integers(lo, hi + 1, size=num)
+        out_lens = rng.integers(olo, ohi + 1, size=num)
+        prompts = common.random_prompts(rng, common.token_pool(llm), in_lens, args.shared_prefix_len)
+        items = list(zip(prompts, out_lens.tolist()))
+    limit = llm.engine.max_model_len
+    for ids, out in items:
+        if len(ids) + out > limit:
+            raise SystemExit(f"a request of {len(ids)} prompt + {out} output tokens exceeds max_model_len {limit}; "
+                             "lower --input-len / --output-len / --range-ratio or raise --max-model-len")
+    return items
+
+
+def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=None) -> dict:
+    """One load test at `rate` on an idle engine; returns summarize()'s result."""
+    params = [common.bench_params(out, args.temperature, args.detokenize) for _, out in dataset]
+    requests = [(ids, p) for (ids, _), p in zip(dataset, params)]
+    offsets = arrival_offsets(len(requests), rate, args.burstiness, np.random.default_rng(args.seed + 1))
+    loop = EngineLoop(llm.engine)
+    started: dict = {}
+
+    def client_main():
+        started["t"] = run_client(loop, requests, offsets, args.max_concurrency, id_prefix=label)
+    client = threading.Thread(target=client_main, name="pcg-load-client", daemon=True)
+    loop.start()
+    client.start()
+    task = progress.add_task(f"{label} @ {rate:g} req/s", total=len(requests), info="") if progress else None
+    deadline = time.monotonic() + args.timeout if args.timeout else float("inf")
+    while loop.is_alive() or client.is_alive():
+        if time.monotonic() > deadline and not loop.stopped:
+            loop.stop()
+        if progress is not None:
+            progress.update(task, completed=loop.completed + loop.failed,
+                            info=f"in flight {loop.in_flight}, failed {loop.failed}")
+        time.sleep(0.1)
+    client.join()
+    loop.join()
+    loop.fail_remaining("never admitted: the run stopped first")   # a no-op after a normal run
+    if progress is not None:
+        progress.update(task, completed=loop.completed + loop.failed, info=f"failed {loop.failed}")
+    if loop.error is not None:
+        raise RuntimeError(f"the engine loop failed in mode {label}") from loop.error
+    records = [loop.records[f"{label}-{i}"] for i in range(loop.submitted)]
+    end = max([loop.last_token_time] + [r.token_times[-1] for r in records if r.token_times])
+    return summarize(records, started["t"], end, slos)
+
+
+def passes(result: dict, attainment: float) -> bool:
+    return result["failed"] == 0 and (result["slo_attainment"] or 0.0) >= attainment
+
+
+def sweep_rates(run_at, start: float, ok, max_doublings: int = 6, bisect_steps: int = 3):
+    """Highest rate for which ok(run_at(rate)) holds: doubling (or halving) to bracket it, then
+    bisection. Returns (best rate or 0.0, [(rate, result)]) with every trial."""
+    trials, good, bad = [], None, None
+
+    def trial(rate):
+        res = run_at(rate)
+        trials.append((rate, res))
+        return ok(res)
+
+    rate = start
+    for _ in range(max_doublings + 1):
+        if trial(rate):
+            good, rate = rate, rate * 2
+        else:
+            bad = rate
+            break
+    if good is None:
+        rate = start / 2
+        for _ in range(max_doublings):
+            if trial(rate):
+                good = rate
+                break
+            bad, rate = rate, rate / 2
+    if good is not None and bad is not None:
+        for _ in range(bisect_steps):
+            mid = (good + bad) / 2
+            if trial(mid):
+                good = mid
+            else:
+                bad = mid
+    return good or 0.0, trials
+
+
+def _trial_row(rate, res) -> dict:
+    return {"rate": rate, "slo_attainment": res["slo_attainment"], "goodput": res["goodput"],
+            "failed": res["failed"], "ttft_p90_ms": res["ttft_ms"]["p90"], "tpot_p90_ms": res["tpot_ms"]["p90"],
+            "duration_s": res["duration_s"]}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pcg bench load-test", description=__doc__.split("\n\n")[0])
+    common.add_common_args(p)
+    p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,piecewise+async (see common)")
+    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="random prefix shared by every prompt")
+    p.add_argument("--dataset", default=None, help='JSONL: {"prompt": text or ids, "output_len": n} per line')
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--detokenize", action="store_true", help="detokenize outputs (off: time the engine only)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:200 tpot:20")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per mode before measuring")
+    p.add_argument("--sweep-rates", action="store_true", help="find each mode's highest rate within the SLOs")
+    p.add_argument("--sweep-num-prompts", type=int, default=100, help="requests per sweep trial")
+    p.add_argument("--sweep-start", type=float, default=None, help="first rate tried (default --request-rate or 4)")
+    p.add_argument("--sweep-attainment", type=float, default=0.9, help="fraction of requests that must meet the SLOs")
+    p.add_argument("--sweep-bisect", type=int, default=3, help="bisection steps after bracketing")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run before the rest are aborted")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    args = make_parser().parse_args(argv)
+    slos = parse_slos(args.goodput)
+    if args.sweep_rates and not slos:
+        raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")
+    console = Console(stderr=True)
+    model = common.resolve_model(args.model, args.seed)
+    results, sweeps = {}, {}
+    for name, mode_kw in common.parse_modes(args.modes):
+        console.print(f"[bold]mode {name}[/bold]: building the engine")
+        llm = common.build_llm(model, **common.engine_kwargs(args), **mode_kw)
+        dataset = build_dataset(args, llm, args.num_prompts, args.seed)
+        if args.warmup:
+            warm = build_dataset(args, llm, args.warmup, args.seed + 1000)
+            llm.generate([ids for ids, _ in warm], common.bench_params(min(warm[0][1], 16), args.temperature))
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[info]}"), console=console, disable=args.no_progress) as progress:
+            results[name] = run_once(llm, dataset, args, args.request_rate, slos, name, progress)
+            results[name]["engine_mode"] = llm.engine.runner.mode
+            results[name]["async_scheduling"] = llm.engine.async_scheduling
+            if args.sweep_rates:
+                start = args.sweep_start or (args.request_rate if args.request_rate != float("inf") else 4.0)
+                seeds = iter(range(args.seed + 2000, args.seed + 3000))
+
+                def run_at(rate):
+                    short = build_dataset(args, llm, args.sweep_num_prompts, next(seeds))
+                    return run_once(llm, short, args, rate, slos, f"{name}-sweep", progress)
+                best, trials = sweep_rates(run_at, start,
+                    lambda res: passes(res, args.sweep_attainment), bisect_steps=args.sweep_bisect)
+                sweeps[name] = {"max_rate": best, "trials": [_trial_row(r, res) for r, res in trials]}
+        common.free_llm(llm)
+        del llm
+    headers, rows = table_rows(results)
+    common.print_table(f"load test: {args.num_prompts} requests at {args.request_rate:g} req/s, "
+                       f"burstiness {args.burstiness:g}", headers, rows)
+    if sweeps:
+        common.print_table(f"rate sweep: highest rate with >= {args.sweep_attainment:.0%} of requests within "
+                           f"{slos}", ["mode", "max rate (req/s)", "trials"],
+                           [[n, s["max_rate"], len(s["trials"])] for n, s in sweeps.items()])
+    first = next(iter(results.values()))
+    payload = {"benchmark": "load_test", **common.env_record(model, args.device), "config": common.config_record(args),
+               **first}
+    if len(results) > 1:
+        payload["modes"] = results
+    if sweeps:
+        payload["sweep"] = sweeps
+    common.write_json(args.json, payload)
+    return 0 if all(r["failed"] == 0 for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

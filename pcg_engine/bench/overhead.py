@@ -1,0 +1,148 @@
+"""The overhead table of the chapter "Removing overhead" (its `run.py overhead`), on this engine.
+
+    pcg bench overhead --requests 16 --slots 16 --new-tokens 64
+    pcg bench overhead --host-only --batch-sizes 16,64,256          # P4, see host_overhead.py
+
+One line per configuration, each layer of the design switched on in turn:
+
+    eager                 unfused weights, no Triton kernels, synchronous loop
+    fused                 Q/K/V and gate/up fused at load (Triton kernels on CUDA only)
+    fused + async         ... and async scheduling
+    full graphs (+ async) whole-step CUDA graphs for decode steps (mode full_decode)
+    piecewise (+ async)   compiled pieces between attentions, CUDA graphs per token bucket
+
+same_tokens says whether greedy decoding produced exactly the eager configuration's tokens. On a
+CPU the graph configurations are skipped (nothing to capture; the piecewise split runs compiled but
+ungraphed with --cpu-compile, which is slow to compile), as the chapter's CPU table shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from pcg_engine.bench import common
+
+CONFIGS = [
+    ("eager", dict(mode="eager", fuse=False, kernels=False, async_scheduling=False)),
+    ("fused", dict(mode="eager", fuse=True, async_scheduling=False)),
+    ("fused + async", dict(mode="eager", fuse=True, async_scheduling=True)),
+    ("full graphs", dict(mode="full_decode", fuse=True, async_scheduling=False)),
+    ("full graphs + async", dict(mode="full_decode", fuse=True, async_scheduling=True)),
+    ("piecewise", dict(mode="piecewise", fuse=True, async_scheduling=False)),
+    ("piecewise + async", dict(mode="piecewise", fuse=True, async_scheduling=True)),
+]
+
+
+def pick_configs(args, on_cuda: bool) -> tuple[list, list[str]]:
+    """(configs to run, notes on those skipped). eager always runs: it is the token reference."""
+    wanted = None if args.configs is None else {c.strip() for c in args.configs.split(",")}
+    known = {name for name, _ in CONFIGS}
+    if wanted is not None and wanted - known:
+        raise SystemExit(f"--configs: unknown {sorted(wanted - known)}; known: {', '.join(known)}")
+    chosen, notes = [], []
+    for name, kw in CONFIGS:
+        if wanted is not None and name not in wanted and name != "eager":
+            continue
+        if not on_cuda and kw["mode"] == "full_decode":
+            notes.append(f"{name}: skipped, whole-step CUDA graphs need a CUDA device")
+            continue
+        if not on_cuda and kw["mode"] == "piecewise" and not args.cpu_compile:
+            notes.append(f"{name}: skipped on CPU (no graphs to capture; --cpu-compile runs the compiled split)")
+            continue
+        chosen.append((name, kw))
+    return chosen, notes
+
+
+def run_config(llm, prompts, args) -> tuple[dict, list[list[int]]]:
+    warm_rng = np.random.default_rng(args.seed + 1)
+    warm = common.random_prompts(warm_rng, common.token_pool(llm), [len(p) for p in prompts])
+    llm.generate(warm, common.bench_params(min(args.new_tokens, 8)))   # lazy set-up out of the timing
+    common.reset_stats(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, common.bench_params(args.new_tokens))
+    elapsed = time.perf_counter() - t0
+    s = llm.engine.stats
+    return {"tok_s": s.generated_tokens / elapsed, "steps": s.steps,
+            "host_ms_per_step": 1000 * s.host_s / max(s.steps, 1),
+            "sync_wait_ms_per_step": 1000 * s.sync_wait_s / max(s.steps, 1),
+            "elapsed_s": elapsed, "generated_tokens": s.generated_tokens, "preemptions": s.preemptions,
+            "engine_mode": llm.engine.runner.mode, "async_scheduling": llm.engine.async_scheduling}, \
+        [o.token_ids for o in outs]
+
+
+def run_table(args, console) -> dict:
+    on_cuda = torch.cuda.is_available() and not args.device.startswith("cpu")
+    configs, notes = pick_configs(args, on_cuda)
+    model = common.resolve_model(args.model, args.seed)
+    base_kw = common.engine_kwargs(args)
+    base_kw["max_num_seqs"] = args.slots
+    results, reference = [], None
+    prompts = None
+    for name, kw in configs:
+        with console.status(f"{name}: building the engine and running {args.requests} requests"):
+            llm = common.build_llm(model, **{**base_kw, **kw})
+            if prompts is None:
+                rng = np.random.default_rng(args.seed)
+                prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
+            row, tokens = run_config(llm, prompts, args)
+            common.free_llm(llm)
+            del llm
+        if reference is None:
+            reference = tokens
+        row = {"config": name, "tok_s": row.pop("tok_s"), "steps": row.pop("steps"),
+               "host_ms_per_step": row.pop("host_ms_per_step"), "same_tokens": tokens == reference, **row}
+        results.append(row)
+        # The chapter's format: exactly its keys, one JSON object per line.
+        print(json.dumps({"config": name, "tok_s": round(row["tok_s"], 1), "steps": row["steps"],
+                          "host_ms_per_step": round(row["host_ms_per_step"], 3), "same_tokens": row["same_tokens"]}),
+              flush=True)
+    for note in notes:
+        console.print(f"[dim]{note}[/dim]")
+    common.print_table(f"overhead: {args.requests} requests, {args.slots} slots, {args.new_tokens} new tokens",
+                       ["config", "tok/s", "steps", "host ms/step", "sync wait ms/step", "same tokens"],
+                       [[r["config"], r["tok_s"], r["steps"], r["host_ms_per_step"], r["sync_wait_ms_per_step"],
+                         r["same_tokens"]] for r in results])
+    return {"benchmark": "overhead", **common.env_record(model, args.device), "config": common.config_record(args),
+            "configs": results, "skipped": notes}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pcg bench overhead", description=__doc__.split("\n\n")[0])
+    common.add_common_args(p)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--slots", type=int, default=16, help="max_num_seqs")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--configs", default=None, help="comma-separated subset of the configs (eager always runs)")
+    p.add_argument("--cpu-compile", action="store_true", help="on CPU, also run the piecewise configs ungraphed")
+    h = p.add_argument_group("host only (P4)")
+    h.add_argument("--host-only", action="store_true", help="time host work per step without the model")
+    h.add_argument("--batch-sizes", default="16,64,256", help="running decode requests to time")
+    h.add_argument("--host-steps", type=int, default=50, help="timed decode steps per size")
+    h.add_argument("--warm-steps", type=int, default=5)
+    h.add_argument("--host-async", action="store_true", help="async scheduling in the host-only run")
+    return p
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    args = make_parser().parse_args(argv)
+    console = Console(stderr=True)
+    if args.host_only:
+        from pcg_engine.bench.host_overhead import run_host_only
+        if "--prompt-len" not in (argv if argv is not None else __import__("sys").argv):
+            args.prompt_len = 128
+        payload = run_host_only(args, console)
+    else:
+        payload = run_table(args, console)
+    common.write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

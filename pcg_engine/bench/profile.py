@@ -1,0 +1,151 @@
+"""Step profile: torch.profiler over a few decode steps per configuration.
+
+    pcg bench profile --model qwen3-0.6b --configs "eager,fused,full graphs,piecewise" --out-dir prof
+
+For each configuration: a Chrome trace (open in chrome://tracing or Perfetto), kernels per decode
+step, device busy vs idle time per step and the idle gaps between kernels; and one PNG with a few
+steps of every configuration, one row each: device busy intervals under the host phases.
+
+Host phases are torch.profiler.record_function ranges put around engine methods from outside (the
+engine files stay untouched): pcg.step, pcg.schedule, pcg.prepare, pcg.forward, pcg.lm_head,
+pcg.sample, pcg.resolve. Without CUDA there is no device timeline: "kernels" are then the top-level
+CPU ops of the engine thread and "idle" is host time between them (Python overhead); the JSON and
+the table say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pcg_engine.bench import common, profile_analysis
+from pcg_engine.bench.overhead import CONFIGS
+
+
+def _labelled(fn, label: str):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def install_labels(engine) -> None:
+    """Wrap the engine's phases in record_function ranges by replacing instance attributes."""
+    runner = engine.runner
+    engine.step = _labelled(engine.step, "pcg.step")
+    engine._resolve = _labelled(engine._resolve, "pcg.resolve")
+    engine.sampler = _labelled(engine.sampler, "pcg.sample")
+    engine.scheduler.schedule = _labelled(engine.scheduler.schedule, "pcg.schedule")
+    runner.batch.prepare = _labelled(runner.batch.prepare, "pcg.prepare")
+    runner.forward_fn = _labelled(runner.forward_fn, "pcg.forward")
+    if getattr(runner, "full_graphs", None) is not None:
+        runner.full_graphs.run = _labelled(runner.full_graphs.run, "pcg.forward")
+    runner.model.__dict__["compute_logits"] = _labelled(runner.model.compute_logits, "pcg.lm_head")
+
+
+def profile_config(name: str, kw: dict, args, model: str, out_dir: Path, on_cuda: bool) -> dict:
+    llm = common.build_llm(model, **{**common.engine_kwargs(args), "max_num_seqs": args.requests, **kw})
+    engine = llm.engine
+    install_labels(engine)
+    rng = np.random.default_rng(args.seed)
+    prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
+    params = common.bench_params(args.warm_steps + args.steps + 8)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.stats.generated_tokens < len(ids):       # every request decoding
+        engine.step()
+    for _ in range(args.warm_steps):
+        engine.step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        if on_cuda:
+            torch.cuda.synchronize()
+    slug = "".join(c if c.isalnum() else "_" for c in name)
+    trace_path = out_dir / f"trace_{slug}.json"
+    prof.export_chrome_trace(str(trace_path))
+    for rid in ids:
+        if rid in engine.requests:
+            engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    mode = engine.runner.mode
+    common.free_llm(llm)
+    del llm, engine
+    with open(trace_path, encoding="utf-8") as f:
+        trace = json.load(f)
+    result = profile_analysis.analyze(trace, on_cuda)
+    result.update(config=name, engine_mode=mode, trace=str(trace_path))
+    return result
+
+
+def default_configs(on_cuda: bool) -> str:
+    return "eager,fused,full graphs,piecewise" if on_cuda else "eager,fused"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pcg bench profile", description=__doc__.split("\n\n")[0])
+    common.add_common_args(p)
+    names = ", ".join(n for n, _ in CONFIGS)
+    p.add_argument("--configs", default=None, help=f"comma-separated, from: {names} "
+                   "(default: eager, fused, and on CUDA full graphs, piecewise)")
+    p.add_argument("--requests", type=int, default=16, help="running decode requests (= max_num_seqs)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=5, help="decode steps profiled")
+    p.add_argument("--warm-steps", type=int, default=3, help="decode steps run before profiling")
+    p.add_argument("--timeline-steps", type=int, default=3, help="steps shown in the PNG")
+    p.add_argument("--out-dir", default="profile_out")
+    return p
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    args = make_parser().parse_args(argv)
+    console = Console(stderr=True)
+    on_cuda = torch.cuda.is_available() and not args.device.startswith("cpu")
+    table = dict(CONFIGS)
+    names = [c.strip() for c in (args.configs or default_configs(on_cuda)).split(",") if c.strip()]
+    for n in names:
+        if n not in table:
+            raise SystemExit(f"--configs: unknown {n!r}; known: {', '.join(table)}")
+        if not on_cuda and table[n]["mode"] == "full_decode":
+            raise SystemExit(f"--configs: {n!r} needs CUDA (whole-step graphs)")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = common.resolve_model(args.model, args.seed)
+    results = []
+    for n in names:
+        with console.status(f"profiling {n}"):
+            results.append(profile_config(n, table[n], args, model, out_dir, on_cuda))
+    png = out_dir / "timeline.png"
+    profile_analysis.plot_timeline(results, args.timeline_steps, png, on_cuda)
+    unit = "kernels" if on_cuda else "CPU ops"
+    common.print_table(f"decode step profile ({results[0]['events']})",
+                       ["config", f"{unit}/step", "busy ms/step", "idle ms/step", "idle %", "gaps/step",
+                        "gap median µs", "gap p90 µs", "gap max µs"],
+                       [[r["config"], r["kernels_per_step"], r["busy_ms_per_step"], r["idle_ms_per_step"],
+                         100 * r["idle_fraction"], r["gaps_per_step"], r["gaps_us"]["median"], r["gaps_us"]["p90"],
+                         r["gaps_us"]["max"]] for r in results])
+    for r in results:
+        # A phase at 0 did not run: e.g. "sample" while the engine takes its greedy argmax fast path.
+        console.print(f"{r['config']}: host phases ms/step " + ", ".join(
+            f"{k} {v:.3f}" for k, v in r["phases_ms_per_step"].items() if v) + f"; trace {r['trace']}")
+    console.print(f"timeline: {png}")
+    payload = {"benchmark": "profile", **common.env_record(model, args.device), "config": common.config_record(args),
+               "configs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in results],
+               "timeline_png": str(png)}
+    common.write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

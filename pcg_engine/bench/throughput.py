@@ -1,0 +1,113 @@
+"""P2: offline throughput: every request added at once, output tokens / wall time (prefill included).
+
+    pcg bench throughput --model qwen3-0.6b --modes eager,full_and_piecewise --json p2.json
+
+Defaults are P2's: 256 requests of random ids, input and output lengths uniform in [100, 1024], EOS
+ignored, seed 0, max_model_len 4096. --input-len/--output-len with --range-ratio replace the ranges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from pcg_engine.bench import common
+
+
+def lengths(rng, n: int, fixed: int | None, ratio: float, lo: int, hi: int) -> np.ndarray:
+    if fixed is not None:
+        lo, hi = common.length_bounds(fixed, ratio)
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"length range [{lo}, {hi}] is empty or below 1")
+    return rng.integers(lo, hi + 1, size=n)
+
+
+def make_dataset(args, llm, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    in_lens = lengths(rng, n, args.input_len, args.range_ratio, args.input_min, args.input_max)
+    out_lens = lengths(rng, n, args.output_len, args.range_ratio, args.output_min, args.output_max)
+    prompts = common.random_prompts(rng, common.token_pool(llm), in_lens)
+    limit = llm.engine.max_model_len
+    if int((in_lens + out_lens).max()) > limit:
+        raise SystemExit(f"input + output lengths reach {int((in_lens + out_lens).max())} > max_model_len {limit}")
+    return prompts, out_lens.tolist()
+
+
+def run_mode(llm, args) -> dict:
+    if args.warmup_prompts:
+        warm, warm_out = make_dataset(args, llm, args.warmup_prompts, args.seed + 1000)
+        llm.generate(warm, [common.bench_params(min(o, 16), args.temperature) for o in warm_out])
+    prompts, out_lens = make_dataset(args, llm, args.num_prompts, args.seed)
+    params = [common.bench_params(o, args.temperature) for o in out_lens]
+    common.reset_stats(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    stats = llm.engine.stats
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    in_tokens = sum(len(p) for p in prompts)
+    return {
+        "num_requests": len(outs),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "expected_output_tokens": int(sum(out_lens)),
+        "elapsed_s": elapsed,
+        "output_throughput": out_tokens / elapsed,
+        "total_token_throughput": (in_tokens + out_tokens) / elapsed,
+        "request_throughput": len(outs) / elapsed,
+        "steps": stats.steps,
+        "host_ms_per_step": 1000 * stats.host_s / max(stats.steps, 1),
+        "preemptions": stats.preemptions,
+        "engine_mode": llm.engine.runner.mode,
+        "async_scheduling": llm.engine.async_scheduling,
+    }
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pcg bench throughput", description=__doc__.split("\n\n")[0])
+    common.add_common_args(p)
+    p.set_defaults(max_model_len=4096)
+    p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,full_and_piecewise")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-min", type=int, default=100)
+    p.add_argument("--input-max", type=int, default=1024)
+    p.add_argument("--output-min", type=int, default=100)
+    p.add_argument("--output-max", type=int, default=1024)
+    p.add_argument("--input-len", type=int, default=None, help="instead of --input-min/max: len*(1±r)")
+    p.add_argument("--output-len", type=int, default=None, help="instead of --output-min/max: len*(1±r)")
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--warmup-prompts", type=int, default=4, help="short requests run before measuring")
+    return p
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    args = make_parser().parse_args(argv)
+    console = Console(stderr=True)
+    model = common.resolve_model(args.model, args.seed)
+    results = {}
+    for name, mode_kw in common.parse_modes(args.modes):
+        console.print(f"[bold]mode {name}[/bold]: building the engine")
+        llm = common.build_llm(model, **common.engine_kwargs(args), **mode_kw)
+        with console.status(f"{name}: {args.num_prompts} requests"):
+            results[name] = run_mode(llm, args)
+        common.free_llm(llm)
+        del llm
+    base = next(iter(results.values()))["output_throughput"]
+    common.print_table(f"offline throughput: {args.num_prompts} requests", [
+        "mode", "output tok/s", "total tok/s", "req/s", "elapsed s", "steps", "host ms/step", "vs first"],
+        [[n, r["output_throughput"], r["total_token_throughput"], r["request_throughput"], r["elapsed_s"],
+          r["steps"], r["host_ms_per_step"], f"{r['output_throughput'] / base:.2f}x"] for n, r in results.items()])
+    payload = {"benchmark": "throughput", **common.env_record(model, args.device),
+               "config": common.config_record(args), **next(iter(results.values()))}
+    if len(results) > 1:
+        payload["modes"] = results
+    common.write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""The user-facing benchmarks run end to end on the tiny model (CPU) and write consistent JSON.
+
+No speed is asserted (BENCHMARKS.md): only that every request completes, token counts are what was
+asked, latencies are ordered (TTFT <= E2EL), and the arrival process has the rate and burstiness
+asked for. Sizes are tiny so the whole file stays well under two minutes on a CPU.
+"""
+
+import json
+import math
+import runpy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pcg_engine.bench import common, kernels, load_test, overhead, profile, latency, throughput
+from pcg_engine.bench.engine_thread import RequestRecord
+from pcg_engine.bench.load_metrics import parse_slos, summarize
+
+REPO = Path(__file__).resolve().parents[2]
+ENV_KEYS = {"model", "commit", "torch", "triton", "device", "date", "config"}
+SEED_KEYS = {"config", "tok_s", "steps", "host_ms_per_step", "same_tokens"}
+
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_arrivals_have_the_rate_and_burstiness_asked_for(burstiness):
+    rate, n = 8.0, 40_000
+    offsets = load_test.arrival_offsets(n, rate, burstiness, np.random.default_rng(0))
+    assert offsets[0] == 0 and np.all(np.diff(offsets) >= 0)
+    gaps = np.diff(offsets)
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
+
+
+def test_infinite_rate_submits_everything_at_once():
+    assert not load_test.arrival_offsets(5, float("inf"), 1.0, np.random.default_rng(0)).any()
+
+
+def test_percentiles_and_length_bounds():
+    p = common.percentiles(list(range(1, 101)))
+    assert p["mean"] == pytest.approx(50.5) and p["median"] == pytest.approx(50.5)
+    assert p["p90"] == pytest.approx(90.1) and p["p99"] == pytest.approx(99.01)
+    assert common.percentiles([]) == {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    assert common.length_bounds(100, 0.5) == (50, 150)
+    assert common.length_bounds(10, 0.0) == (10, 10)
+
+
+def test_metrics_and_goodput_from_token_times():
+    def rec(i, submit, times):
+        r = RequestRecord(f"r{i}", 4, len(times), submit_time=submit, token_times=times, num_output_tokens=len(times),
+                          finished=True, finish_reason="length")
+        return r
+    records = [rec(0, 0.0, [0.1, 0.2, 0.3]),        # ttft 100, tpot 100
+               rec(1, 0.0, [0.5, 0.51]),            # ttft 500: breaks the TTFT SLO
+               rec(2, 1.0, [1.05])]                 # one token: no TPOT, meets both
+    res = summarize(records, 0.0, 2.0, parse_slos(["ttft:200", "tpot:150"]))
+    assert res["completed"] == 3 and res["failed"] == 0 and res["total_output_tokens"] == 6
+    assert res["ttft_ms"]["median"] == pytest.approx(100)
+    assert res["tpot_ms"]["mean"] == pytest.approx((100 + 10) / 2)
+    assert res["itl_ms"]["mean"] == pytest.approx((100 + 100 + 10) / 3)
+    assert res["goodput"] == pytest.approx(2 / 2.0) and res["slo_attainment"] == pytest.approx(2 / 3)
+    with pytest.raises(SystemExit):
+        parse_slos(["latency:5"])
+
+
+def test_sweep_brackets_then_bisects():
+    best, trials = load_test.sweep_rates(lambda r: r, 4.0, lambda r: r <= 13, bisect_steps=3)
+    assert best == 13.0 and [r for r, _ in trials] == [4, 8, 16, 12, 14, 13]
+    best, _ = load_test.sweep_rates(lambda r: r, 4.0, lambda r: r <= 1.5, bisect_steps=2)
+    assert 1.0 <= best <= 1.5
+
+
+def test_modes_and_models_are_validated(tmp_path):
+    assert common.parse_modes("eager,piecewise+async+unfused") == [
+        ("eager", {"mode": "eager"}),
+        ("piecewise+async+unfused", {"mode": "piecewise", "async_scheduling": True, "fuse": False, "kernels": False})]
+    for bad in ("warp", "eager+fast", ""):
+        with pytest.raises(SystemExit):
+            common.parse_modes(bad)
+    assert common.resolve_model(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(SystemExit, match="preset"):
+        common.resolve_model("no-such-model")
+
+
+# ---- end to end on the tiny model ------------------------------------------------------------------
+def test_load_test_two_modes(tmp_path):
+    out = tmp_path / "load.json"
+    rc = load_test.main(["--device", "cpu", "--modes", "eager,eager+async", "--num-prompts", "8",
+                         "--input-len", "12", "--output-len", "5", "--range-ratio", "0.5", "--request-rate", "40",
+                         "--max-concurrency", "4", "--max-num-seqs", "4", "--goodput", "ttft:1e9", "tpot:1e9",
+                         "--warmup", "1", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    data = read(out)
+    assert ENV_KEYS <= set(data) and data["config"]["max_concurrency"] == 4
+    assert set(data["modes"]) == {"eager", "eager+async"}
+    assert data["modes"]["eager+async"]["async_scheduling"] is True
+    for res in data["modes"].values():
+        assert res["completed"] == 8 and res["failed"] == 0 and res["duration_s"] > 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(res[key]) == {"mean", "median", "p90", "p99"}
+        assert res["goodput"] == pytest.approx(res["request_throughput"])
+        assert res["total_output_tokens"] == sum(r["output_len_asked"] for r in res["requests"])
+        for r in res["requests"]:
+            assert r["ok"] and r["output_len"] == r["output_len_asked"]
+            assert 0 < r["ttft_ms"] <= r["e2el_ms"]
+            assert 2 <= r["output_len"] <= 8 and 6 <= r["prompt_len"] <= 18
+            assert r["engine_ttft_ms"] <= r["ttft_ms"] + 1e-6   # the engine stamps first, same clock
+
+
+def test_load_test_jsonl_dataset(tmp_path):
+    ds = tmp_path / "prompts.jsonl"
+    ds.write_text('{"prompt": "def main():", "output_len": 3}\n{"prompt": [5, 6, 7, 8], "output_len": 4}\n\n'
+                  '{"prompt": "import sys"}\n')
+    out = tmp_path / "load.json"
+    assert load_test.main(["--device", "cpu", "--modes", "eager", "--dataset", str(ds), "--output-len", "2",
+                           "--warmup", "0", "--no-progress", "--json", str(out)]) == 0
+    data = read(out)
+    assert "modes" not in data and data["completed"] == 3 and data["goodput"] is None
+    assert [r["output_len"] for r in data["requests"]] == [3, 4, 2]
+    assert data["requests"][1]["prompt_len"] == 4
+
+
+def test_throughput(tmp_path):
+    out = tmp_path / "tp.json"
+    assert throughput.main(["--device", "cpu", "--modes", "eager", "--num-prompts", "6", "--input-len", "12",
+                            "--output-len", "5", "--range-ratio", "0.5", "--warmup-prompts", "1",
+                            "--json", str(out)]) == 0
+    data = read(out)
+    assert ENV_KEYS <= set(data) and data["config"]["max_model_len"] == 4096
+    assert data["num_requests"] == 6 and data["total_output_tokens"] == data["expected_output_tokens"]
+    assert data["output_throughput"] > 0 and data["steps"] >= 5
+
+
+def test_throughput_p2_defaults():
+    args = throughput.make_parser().parse_args([])
+    assert (args.num_prompts, args.input_min, args.input_max, args.output_min, args.output_max, args.seed,
+            args.max_model_len) == (256, 100, 1024, 100, 1024, 0, 4096)
+
+
+def test_latency(tmp_path):
+    out = tmp_path / "lat.json"
+    assert latency.main(["--device", "cpu", "--modes", "eager", "--input-len", "12", "--output-len", "5",
+                         "--num-iters", "2", "--warmup-iters", "1", "--json", str(out)]) == 0
+    data = read(out)
+    assert data["output_lens"] == [5] and len(data["iterations"]) == 2
+    for it in data["iterations"]:
+        assert 0 < it["ttft_ms"] <= it["e2el_ms"] and it["tpot_ms"] > 0
+
+
+def test_overhead_table(tmp_path, capsys):
+    out = tmp_path / "oh.json"
+    assert overhead.main(["--device", "cpu", "--requests", "3", "--slots", "3", "--new-tokens", "5",
+                          "--prompt-len", "8", "--json", str(out)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [set(line) for line in lines] == [SEED_KEYS] * 3        # exactly the chapter's keys
+    data = read(out)
+    assert [c["config"] for c in data["configs"]] == ["eager", "fused", "fused + async"]
+    for c in data["configs"]:
+        assert SEED_KEYS <= set(c) and c["same_tokens"] is True and c["steps"] == 5 and c["tok_s"] > 0
+    assert any("full graphs" in note for note in data["skipped"])
+
+
+def test_host_overhead(tmp_path):
+    out = tmp_path / "host.json"
+    assert overhead.main(["--host-only", "--device", "cpu", "--batch-sizes", "4,8", "--host-steps", "3",
+                          "--warm-steps", "1", "--prompt-len", "16", "--json", str(out)]) == 0
+    data = read(out)
+    assert [s["running"] for s in data["host_only"]] == [4, 8]
+    for run in data["runs"]:
+        assert run["steps"] == 3 and run["tokens_per_step"] == run["running"] and run["host_ms_per_step"] > 0
+
+
+def test_profile_writes_trace_and_png(tmp_path):
+    out = tmp_path / "prof.json"
+    assert profile.main(["--device", "cpu", "--configs", "eager", "--requests", "2", "--prompt-len", "8",
+                         "--steps", "2", "--warm-steps", "0", "--out-dir", str(tmp_path / "prof"),
+                         "--json", str(out)]) == 0
+    data = read(out)
+    (cfg,) = data["configs"]
+    trace = read(cfg["trace"])
+    assert any(e.get("name") == "pcg.forward" for e in trace["traceEvents"])
+    assert cfg["steps"] == 2 and cfg["kernels_per_step"] > 0 and 0 <= cfg["idle_fraction"] < 1
+    assert "CPU ops" in cfg["events"]
+    assert Path(data["timeline_png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kernels_delegates_to_the_script(tmp_path, monkeypatch):
+    script = tmp_path / "bench_kernels.py"
+    script.write_text("SEEN = []\ndef main(argv=None):\n    import builtins\n    builtins._pcg_seen = argv\n"
+                      "    return 0\n")
+    monkeypatch.setattr(kernels, "SCRIPT", script)
+    assert kernels.main(["--json", "x.json"]) == 0
+    import builtins
+    assert builtins._pcg_seen == ["--json", "x.json"]
+    del builtins._pcg_seen
+    monkeypatch.setattr(kernels, "SCRIPT", tmp_path / "missing.py")
+    assert kernels.main([]) == 2
+
+
+@pytest.mark.parametrize("name", ["load_test", "bench_throughput", "bench_latency", "bench_overhead",
+                                  "bench_profile"])
+def test_wrapper_scripts(name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "scripts" / f"{name}.py"), run_name="__main__")
+    assert exit_info.value.code == 0 and "--model" in capsys.readouterr().out
+
+
+def test_cli_dispatches_bench(capsys):
+    from pcg_engine.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "load-test", "--help"])
+    assert exit_info.value.code == 0 and "--request-rate" in capsys.readouterr().out
+
+
+def test_load_test_time_limit_fails_the_rest_and_leaves_the_engine_idle(tmp_path):
+    out = tmp_path / "load.json"
+    rc = load_test.main(["--device", "cpu", "--modes", "eager", "--num-prompts", "4", "--input-len", "8",
+                         "--output-len", "400", "--timeout", "0.3", "--warmup", "0", "--no-progress",
+                         "--json", str(out)])
+    data = read(out)
+    assert rc == 1 and data["failed"] >= 1 and data["completed"] + data["failed"] == 4
