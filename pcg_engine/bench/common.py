@@ -125,13 +125,20 @@ def reset_stats(llm) -> None:
 
 
 # ---- environment -----------------------------------------------------------------------------------
+def git_commit() -> str:
+    """HEAD's hash, or "unknown" (a copy without .git, or a repository without commits, where
+    `git rev-parse HEAD` echoes "HEAD"). PCG_COMMIT in the environment overrides it, for copies."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    sha = out.stdout.strip()
+    return sha if out.returncode == 0 and len(sha) == 40 and all(c in "0123456789abcdef" for c in sha) else "unknown"
+
+
 def env_record(model: str, device: str = "auto") -> dict:
     import torch
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit = os.environ.get("PCG_COMMIT") or git_commit()
     try:
         from importlib.metadata import version
         triton = version("triton")

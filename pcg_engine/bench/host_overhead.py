@@ -52,7 +52,8 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
         prefill_steps = -(-n * prompt_len // engine.config.max_num_batched_tokens) + 2
         params = common.bench_params(prefill_steps + warm_steps + steps + 4)
         ids = [engine.add_request(p, params) for p in prompts]
-        while engine.stats.generated_tokens < n:          # until every request has its first token
+        requests = [engine.requests[rid] for rid in ids]
+        while any(r.first_token_time is None for r in requests):   # until every request is decoding
             engine.step()
         for _ in range(warm_steps):
             engine.step()
@@ -90,10 +91,12 @@ def run_host_only(args, console) -> dict:
     model = common.resolve_model(args.model, args.seed)
     llm = common.build_llm(model, **kw)
     rows = []
-    for n in sizes:
-        for impl in ("rebuild", "persistent"):
+    for i, n in enumerate(sizes):
+        for j, impl in enumerate(("rebuild", "persistent")):
+            # Fresh prompts per run: repeating them would let the prefix cache skip the next run's prefill.
+            seed = args.seed + 1 + 2 * i + j
             with console.status(f"{impl} at {n} running requests"):
-                rows.append(measure(llm, impl, n, args.host_steps, args.prompt_len, args.warm_steps, args.seed))
+                rows.append(measure(llm, impl, n, args.host_steps, args.prompt_len, args.warm_steps, seed))
     common.free_llm(llm)
     by = {(r["impl"], r["running"]): r for r in rows}
     summary = []

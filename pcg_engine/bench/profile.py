@@ -127,7 +127,11 @@ def main(argv=None) -> int:
         with console.status(f"profiling {n}"):
             results.append(profile_config(n, table[n], args, model, out_dir, on_cuda))
     png = out_dir / "timeline.png"
-    profile_analysis.plot_timeline(results, args.timeline_steps, png, on_cuda)
+    try:
+        profile_analysis.plot_timeline(results, args.timeline_steps, png, on_cuda)
+    except ImportError as e:      # matplotlib is optional (the "bench" extra): keep the traces and numbers
+        console.print(f"[yellow]no timeline PNG: {e} (pip install matplotlib)[/yellow]")
+        png = None
     unit = "kernels" if on_cuda else "CPU ops"
     common.print_table(f"decode step profile ({results[0]['events']})",
                        ["config", f"{unit}/step", "busy ms/step", "idle ms/step", "idle %", "gaps/step",
@@ -139,10 +143,11 @@ def main(argv=None) -> int:
         # A phase at 0 did not run: e.g. "sample" while the engine takes its greedy argmax fast path.
         console.print(f"{r['config']}: host phases ms/step " + ", ".join(
             f"{k} {v:.3f}" for k, v in r["phases_ms_per_step"].items() if v) + f"; trace {r['trace']}")
-    console.print(f"timeline: {png}")
+    if png is not None:
+        console.print(f"timeline: {png}")
     payload = {"benchmark": "profile", **common.env_record(model, args.device), "config": common.config_record(args),
                "configs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in results],
-               "timeline_png": str(png)}
+               "timeline_png": None if png is None else str(png)}
     common.write_json(args.json, payload)
     return 0
 

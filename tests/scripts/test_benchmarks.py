@@ -227,3 +227,11 @@ def test_load_test_time_limit_fails_the_rest_and_leaves_the_engine_idle(tmp_path
                          "--json", str(out)])
     data = read(out)
     assert rc == 1 and data["failed"] >= 1 and data["completed"] + data["failed"] == 4
+
+
+def test_env_record_commit_falls_back_and_can_be_given(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "REPO_ROOT", tmp_path)          # a copy without .git
+    assert common.git_commit() == "unknown"
+    monkeypatch.setenv("PCG_COMMIT", "abc123")
+    env = common.env_record("m", "cpu")
+    assert env["commit"] == "abc123" and env["device"].startswith("CPU") and env["torch"]
