@@ -1,0 +1,135 @@
+"""The on-disk compile cache: verification, rebuild of bad entries, permissions, warm starts."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from compile_helpers import make_runner, run_workload
+from pcg_engine.compile.cache import MANIFEST, CompileCache, CompileCacheError, default_cache_root
+
+FIELDS = {"format": 1, "torch": "x", "mode": "piecewise"}
+
+
+def _built(root, fields=FIELDS):
+    cache = CompileCache(root, fields)
+    assert cache.open() == "miss"
+    (cache.entry / "inductor" / "ab").mkdir(parents=True)
+    (cache.entry / "inductor" / "ab" / "graph.py").write_text("print('compiled')\n")
+    (cache.entry / "triton" ).mkdir(exist_ok=True)
+    (cache.entry / "triton" / "kernel.bin").write_bytes(b"\x00\x01" * 100)
+    cache.commit()
+    return cache
+
+
+def test_second_open_is_a_hit(tmp_path):
+    first = _built(tmp_path / "c")
+    second = CompileCache(tmp_path / "c", FIELDS)
+    assert second.open() == "hit" and second.rejected is None and second.entry == first.entry
+    assert (os.stat(tmp_path / "c").st_mode & 0o777) == 0o700
+    assert (os.stat(first.entry).st_mode & 0o777) == 0o700
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda e: (e / "inductor" / "ab" / "graph.py").write_text("print('evil')\n"), "checksum"),
+    (lambda e: (e / "triton" / "kernel.bin").write_bytes(b"\x00"), "checksum"),
+    (lambda e: (e / MANIFEST).unlink(), "no manifest"),
+    (lambda e: (e / MANIFEST).write_text("{not json"), "unreadable manifest"),
+    (lambda e: (e / "inductor" / "planted.py").write_text("x = 1\n"), "unlisted"),
+    (lambda e: (e / "triton" / "kernel.bin").unlink(), "missing"),
+])
+def test_bad_entry_is_deleted_and_rebuilt(tmp_path, damage, reason):
+    first = _built(tmp_path / "c")
+    damage(first.entry)
+    again = CompileCache(tmp_path / "c", FIELDS)
+    assert again.open() == "miss"
+    assert reason in again.rejected
+    assert list(again.entry.iterdir()) == []          # nothing of the bad entry survives
+
+
+def test_version_mismatch_in_manifest_is_rejected(tmp_path):
+    first = _built(tmp_path / "c")
+    manifest = json.loads((first.entry / MANIFEST).read_text())
+    manifest["fields"]["torch"] = "other"
+    (first.entry / MANIFEST).write_text(json.dumps(manifest))
+    again = CompileCache(tmp_path / "c", FIELDS)
+    assert again.open() == "miss" and "other versions" in again.rejected
+
+
+def test_different_fields_use_another_entry(tmp_path):
+    a = _built(tmp_path / "c")
+    b = CompileCache(tmp_path / "c", {**FIELDS, "mode": "compile"})
+    assert b.open() == "miss" and b.entry != a.entry and a.entry.exists()
+
+
+def test_refuses_group_or_world_writable_dir(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(CompileCacheError, match=r"shared.*0o777.*group or others"):
+        CompileCache(root, FIELDS).open()
+    os.chmod(root, 0o700)
+    cache = _built(root)
+    os.chmod(cache.entry, 0o770)
+    with pytest.raises(CompileCacheError, match=cache.key):
+        CompileCache(root, FIELDS).open()
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to chown")
+def test_refuses_dir_owned_by_another_user(tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)
+    with pytest.raises(CompileCacheError, match=r"theirs.*owned by uid 65534"):
+        CompileCache(root, FIELDS).open()
+
+
+def test_default_root():
+    assert str(default_cache_root()).endswith(os.path.join(".cache", "pcg_engine", "compile"))
+
+
+# ---- with the compiler ----------------------------------------------------------------------
+
+def _same_as(eager, runner):
+    def check(results, index):
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
+    run_workload([eager, runner], check)
+
+
+def test_warm_start_hits_the_cache(tiny_dense, cache_root, dense_piecewise, dense_eager):
+    assert dense_piecewise.timings["compile_cache_hit"] in (0.0, 1.0)
+    # A new runner is a new model: Dynamo traces it anew, Inductor finds every piece on disk.
+    warm = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(cache_root))
+    t = warm.timings
+    assert t["compile_cache_hit"] == 1.0
+    assert warm.forward_fn.stats.dynamo_traces == 1
+    assert t["inductor_cache_hits"] == t["inductor_compiles"] == 3 and t["inductor_cache_misses"] == 0
+    _same_as(dense_eager, warm)
+
+
+def test_corrupt_cache_file_is_detected_and_rebuilt(tiny_dense, cache_root, dense_piecewise, dense_eager, tmp_path):
+    entry = dense_piecewise.compile_cache.entry
+    root = tmp_path / "copy"
+    root.mkdir(mode=0o700)
+    shutil.copytree(entry, root / entry.name)
+    victim = next(p for p in sorted((root / entry.name / "inductor").rglob("*")) if p.is_file())
+    with open(victim, "ab") as f:
+        f.write(b"\n# tampered\n")
+    rebuilt = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    t = rebuilt.timings
+    assert t["compile_cache_hit"] == 0.0 and t["compile_cache_rebuilt"] == 1.0
+    assert "checksum" in rebuilt.compile_cache.rejected
+    assert t["inductor_cache_hits"] == 0
+    assert CompileCache(root, rebuilt.compile_cache.fields).verify() is None   # the new entry is sound
+    _same_as(dense_eager, rebuilt)
+
+
+def test_cache_disabled(tiny_dense, tmp_path, dense_eager):
+    root = tmp_path / "unused"
+    runner = make_runner(tiny_dense, "compile", compile_cache=False, compile_cache_dir=str(root))
+    assert runner.timings["compile_cache_hit"] == 0.0
+    assert not root.exists()
+    assert runner.timings["inductor_cache_hits"] == 0
+    _same_as(dense_eager, runner)
