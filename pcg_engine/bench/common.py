@@ -120,6 +120,15 @@ def free_llm(llm) -> None:
         torch.cuda.empty_cache()
 
 
+def engine_config(llm) -> dict:
+    """The engine's resolved configuration, as run (mode and async scheduling after 'auto')."""
+    import dataclasses
+    cfg = dataclasses.asdict(llm.config)
+    cfg.update(resolved_mode=llm.engine.runner.mode, resolved_async_scheduling=llm.engine.async_scheduling,
+               resolved_device=str(llm.engine.device))
+    return cfg
+
+
 def reset_stats(llm) -> None:
     llm.engine.stats = type(llm.engine.stats)()
 

@@ -60,7 +60,7 @@ def run_mode(llm, args) -> dict:
             "output_lens": sorted({r["output_len"] for r in rows}),
             "host_ms_per_step": 1000 * stats.host_s / max(stats.steps, 1), "steps": stats.steps,
             "engine_mode": llm.engine.runner.mode, "async_scheduling": llm.engine.async_scheduling,
-            "iterations": rows}
+            "engine_config": common.engine_config(llm), "iterations": rows}
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -192,6 +192,7 @@ def main(argv=None) -> int:
             results[name] = run_once(llm, dataset, args, args.request_rate, slos, name, progress)
             results[name]["engine_mode"] = llm.engine.runner.mode
             results[name]["async_scheduling"] = llm.engine.async_scheduling
+            results[name]["engine_config"] = common.engine_config(llm)
             if args.sweep_rates:
                 start = args.sweep_start or (args.request_rate if args.request_rate != float("inf") else 4.0)
                 seeds = iter(range(args.seed + 2000, args.seed + 3000))

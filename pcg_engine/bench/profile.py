@@ -57,7 +57,8 @@ def profile_config(name: str, kw: dict, args, model: str, out_dir: Path, on_cuda
     prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
     params = common.bench_params(args.warm_steps + args.steps + 8)
     ids = [engine.add_request(p, params) for p in prompts]
-    while engine.stats.generated_tokens < len(ids):       # every request decoding
+    requests = [engine.requests[rid] for rid in ids]
+    while any(r.first_token_time is None for r in requests):   # until every request is decoding
         engine.step()
     for _ in range(args.warm_steps):
         engine.step()

@@ -62,6 +62,7 @@ def run_mode(llm, args) -> dict:
         "preemptions": stats.preemptions,
         "engine_mode": llm.engine.runner.mode,
         "async_scheduling": llm.engine.async_scheduling,
+        "engine_config": common.engine_config(llm),
     }
 
 

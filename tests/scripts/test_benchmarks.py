@@ -163,7 +163,8 @@ def test_overhead_table(tmp_path, capsys):
     data = read(out)
     assert [c["config"] for c in data["configs"]] == ["eager", "fused", "fused + async"]
     for c in data["configs"]:
-        assert SEED_KEYS <= set(c) and c["same_tokens"] is True and c["steps"] == 5 and c["tok_s"] > 0
+        assert SEED_KEYS <= set(c) and c["same_tokens"] is True and c["token_match"] == 1.0
+        assert c["steps"] == 5 and c["tok_s"] > 0 and c["engine_config"]["max_num_seqs"] == 3
     assert any("full graphs" in note for note in data["skipped"])
 
 
