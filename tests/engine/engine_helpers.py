@@ -111,8 +111,17 @@ def check_engine_state(engine) -> None:
 
 
 def install_invariant_hook(engine) -> None:
-    """Wrap engine.step: after each step check the engine's state and the outputs' tokens."""
+    """Wrap engine.step: after each step check the engine's state and the outputs' tokens. Wrap the
+    block manager's hash function: a placeholder must never be hashed (published or looked up)."""
     real_step = engine.step
+    bm = engine.block_manager
+    real_hash = bm.hash_fn
+
+    def hash_fn(parent, tokens):
+        assert all(t >= 0 for t in tokens), f"a placeholder reached the prefix-cache hash: {list(tokens)}"
+        return real_hash(parent, tokens)
+
+    bm.hash_fn = hash_fn
 
     def step():
         outputs = real_step()

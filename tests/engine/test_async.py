@@ -70,6 +70,9 @@ def workload(reference):
                      None))
         reqs.append((f"p{i}-seeded", prompt, SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=N),
                      None))
+        reqs.append((f"p{i}-penalties", prompt, greedy(N, ignore_eos=True, repetition_penalty=1.3,
+                                                       presence_penalty=0.4, frequency_penalty=0.2, logprobs=2),
+                     None))
     return reqs
 
 
@@ -88,8 +91,17 @@ def run(llm, reqs, second_wave=(), wave_after: int = 4, abort=None):
         engine.add_request(prompt, params, request_id=rid)
     finals.update(drain(engine))
     assert_drained(engine)
-    return {rid: (o.token_ids, o.text, o.finish_reason, o.stop_reason, o.metrics.num_cached_tokens)
+    return {rid: (o.token_ids, o.text, o.finish_reason, o.stop_reason, o.metrics.num_cached_tokens, o.logprobs)
             for rid, o in finals.items()}
+
+
+def same_logprobs(a, b) -> bool:
+    """Equal up to float rounding (a row's logits may round differently in another batch)."""
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(
+        x["token"] == y["token"] and abs(x["logprob"] - y["logprob"]) < 1e-4
+        and [t for t, _ in x["top"]] == [t for t, _ in y["top"]] for x, y in zip(a, b))
 
 
 CONFIGS = {
@@ -119,8 +131,9 @@ def test_async_equals_sync_on_mixed_workload(config, reference, eos_checkpoint, 
     assert set(sync) == set(asyn) == {r[0] for r in reqs + second}
     for rid in sync:
         assert sync[rid][:4] == asyn[rid][:4], f"{rid}: sync {sync[rid]} != async {asyn[rid]}"
+        assert same_logprobs(sync[rid][5], asyn[rid][5]), rid
     for rid, _, params, want in reqs + second:
-        tokens, _, finish, stop_reason, _ = sync[rid]
+        tokens, _, finish, stop_reason, _, _ = sync[rid]
         if want is not None:
             assert tokens == want, rid
         assert len(tokens) >= 1 and all(t >= 0 for t in tokens)
@@ -128,11 +141,15 @@ def test_async_equals_sync_on_mixed_workload(config, reference, eos_checkpoint, 
         for k in range(N):
             assert sync[f"p{i}-stop{k}"][2:4] == ("stop", toks[k])
         # EOS: the rewritten generation config makes toks[3] of prompt 0 an EOS id.
-        tokens, _, finish, stop_reason, _ = sync[f"p{i}-eos"]
+        tokens, _, finish, stop_reason, _, _ = sync[f"p{i}-eos"]
         if eos_token in toks:
             assert tokens == toks[:toks.index(eos_token) + 1] and finish == "stop" and stop_reason is None
         str_out = sync[f"p{i}-str"]
         assert str_out[2] == "stop" and str_out[1] == text[:text.find(str_out[3])]
+        pen = sync[f"p{i}-penalties"]
+        assert len(pen[5]) == len(pen[0]) == N
+    assert any(sync[f"p{i}-penalties"][0] != toks for i, (toks, _) in enumerate(reference[:len(PROMPTS)])), (
+        "the penalties changed nothing: the test would not see them mishandled")
     assert sync["p0-eos"][2] == "stop"
     # Prefix hits happened in both modes (requests of one prompt share it); with a roomy cache the
     # second wave found the first wave's prefix. (Under a small cache, which blocks survive the
@@ -148,19 +165,20 @@ def test_async_equals_sync_on_mixed_workload(config, reference, eos_checkpoint, 
         assert stats[False][0] > 0 and stats[True][0] > 0
 
 
-@pytest.mark.parametrize("steps", [1, 2, 5])
-def test_abort_mid_flight(steps, reference, eos_checkpoint, eos_token):
+@pytest.mark.parametrize("config", ["default", "small-cache"])
+@pytest.mark.parametrize("steps", [1, 4])
+def test_abort_mid_flight(steps, config, reference, eos_checkpoint, eos_token):
     reqs = [(f"r{i}", p, greedy(N, ignore_eos=True), reference[i][0]) for i, p in enumerate(PROMPTS)]
     reqs.append(("seeded", PROMPTS[1], SamplingParams(temperature=0.8, seed=3, max_tokens=N, ignore_eos=True),
                  None))
     results = {}
     for mode in (False, True):
-        llm = make_llm(eos_checkpoint(eos_token), async_scheduling=mode)
+        llm = make_llm(eos_checkpoint(eos_token), async_scheduling=mode, **CONFIGS[config])
         full = run(llm, reqs, wave_after=0)
         partial = run(llm, reqs, wave_after=steps, abort=["r1", "seeded"])
         results[mode] = (full, partial)
         for rid in ("r1", "seeded"):
-            tokens, _, finish, _, _ = partial[rid]
+            tokens, _, finish, _, _, _ = partial[rid]
             assert finish == "abort"
             assert tokens == full[rid][0][:len(tokens)], f"aborted {rid} diverged before the abort"
             assert len(tokens) <= steps
@@ -209,5 +227,81 @@ def test_async_stream_and_min_tokens(reference, eos_checkpoint, eos_token):
         results[mode] = [(o.token_ids, o.finish_reason, o.stop_reason) for o in outs]
         assert eos_token not in outs[0].token_ids[:5] and len(outs[0].token_ids) >= 5
         assert toks[1] not in outs[1].token_ids[:3]
+        # Leaving a stream early (its next token in flight under async): aborted, nothing leaks.
+        for i, _ in enumerate(llm.stream(PROMPTS[1], greedy(N, ignore_eos=True))):
+            if i == 1:
+                break
+        drain(llm.engine)
         assert_drained(llm.engine)
     assert results[False] == results[True]
+
+
+def random_workload(seed):
+    """Requests of random kinds (greedy, seeded top-p/top-k, penalties + min_tokens, logprobs, stop
+    ids and strings), random lengths, half sharing one of three prefixes, arriving over 10 steps; a
+    few are aborted at step 6."""
+    import random
+
+    rng = random.Random(seed)
+    prefixes = random_prompts([rng.randint(4, 20) for _ in range(3)], seed=seed)
+    reqs = []
+    for i in range(rng.randint(10, 18)):
+        p = random_prompts([rng.randint(1, 20)], seed=seed * 100 + i)[0]
+        if rng.random() < 0.5:
+            p = rng.choice(prefixes) + p
+        kw = dict(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
+        kind = rng.random()
+        if kind < 0.4:
+            kw.update(temperature=0)
+        elif kind < 0.6:
+            kw.update(temperature=0.9, top_p=0.9, seed=rng.randint(0, 99))
+        elif kind < 0.75:
+            kw.update(temperature=0, repetition_penalty=1.2, min_tokens=min(2, kw["max_tokens"]))
+        else:
+            kw.update(temperature=0.7, top_k=20, seed=rng.randint(0, 99), logprobs=1)
+        if rng.random() < 0.3:
+            kw.update(stop_token_ids=[rng.randint(3, 1023) for _ in range(30)])
+        if rng.random() < 0.2:
+            kw.update(stop=["e", "th"])
+        reqs.append((f"q{i}", p, SamplingParams(**kw), rng.randint(0, 10), rng.random() < 0.1))
+    return reqs
+
+
+def run_arrivals(engine, reqs, abort_at=6):
+    finals, step = {}, 0
+    pending = sorted(reqs, key=lambda r: r[3])
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][3] <= step:
+            rid, prompt, params, _, _ = pending.pop(0)
+            engine.add_request(prompt, params, request_id=rid)
+        if step == abort_at:
+            for rid, *_, abort in reqs:
+                if abort and rid in engine.requests:
+                    engine.abort_request(rid)
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+        assert step < 2000
+    assert_drained(engine)
+    return {rid: (o.token_ids, o.finish_reason, o.text) for rid, o in finals.items()}
+
+
+def test_random_workloads_sync_async_and_configs_agree(dense_path):
+    configs = [{}, {"num_kv_blocks": 16, "block_size": 4},
+               {"num_kv_blocks": 18, "block_size": 4, "max_num_batched_tokens": 9, "max_num_seqs": 5}]
+    engines = {(c, mode): make_llm(dense_path, async_scheduling=mode, **cfg).engine
+               for c, cfg in enumerate(configs) for mode in (False, True)}
+    for seed in (1, 3):
+        reqs = random_workload(seed)
+        aborted = {r[0] for r in reqs if r[4]}
+        results = {key: run_arrivals(engine, reqs) for key, engine in engines.items()}
+        ref = results[(0, False)]
+        assert set(ref) == {r[0] for r in reqs}
+        for key, res in results.items():
+            assert set(res) == set(ref)
+            for rid in ref:
+                if rid in aborted and "abort" in (res[rid][1], ref[rid][1]):
+                    n = min(len(res[rid][0]), len(ref[rid][0]))
+                    assert res[rid][0][:n] == ref[rid][0][:n], (key, rid)
+                else:
+                    assert res[rid] == ref[rid], (key, rid)
+    assert all(engines[(1, mode)].stats.preemptions > 0 for mode in (False, True))

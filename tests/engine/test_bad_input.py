@@ -16,9 +16,9 @@ VOCAB = 1024
 
 GOOD_PROMPTS = random_prompts([6, 19, 11], seed=20)
 GOOD_PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2),
-    SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop_token_ids=[3]),
+    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=7, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, stop_token_ids=[3], stop=["zz"]),
 ]
 GOOD_IDS = ["good-0", "good-1", "good-2"]
 

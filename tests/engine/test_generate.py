@@ -206,8 +206,9 @@ def test_stop_strings(engines, plain_run):
     assert_drained(llm.engine)
 
 
-def test_max_tokens_and_max_model_len(tiny_paths, hf_refs):
-    llm = make_llm(tiny_paths["tiny-qwen3"], max_model_len=32)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_max_tokens_and_max_model_len(tiny_paths, hf_refs, async_scheduling):
+    llm = make_llm(tiny_paths["tiny-qwen3"], max_model_len=32, async_scheduling=async_scheduling)
     ref = hf_refs("tiny-qwen3")
     prompt = random_prompts([20], seed=10)[0]
     want = ref.greedy(prompt, 12, stop_at_eos=False)
@@ -217,6 +218,15 @@ def test_max_tokens_and_max_model_len(tiny_paths, hf_refs):
     assert all(o.finish_reason == "length" and o.stop_reason is None for o in outs)
     with pytest.raises(InvalidRequestError, match=r"max_tokens.*1\.\.12"):
         llm.generate([prompt], greedy(13))
+    assert_drained(llm.engine)
+
+
+def test_truncate_prompt_tokens(engines, hf_refs):
+    llm = engines("tiny-qwen3")
+    prompt = random_prompts([30], seed=13)[0]
+    out = llm.generate([prompt], greedy(6, ignore_eos=True, truncate_prompt_tokens=10))[0]
+    assert out.prompt_token_ids == prompt[-10:]
+    assert out.token_ids == hf_refs("tiny-qwen3").greedy(prompt[-10:], 6, stop_at_eos=False)
     assert_drained(llm.engine)
 
 

@@ -88,8 +88,10 @@ class FlatDriver:
         self.lens: dict[int, int] = {}
 
     @torch.inference_mode()
-    def step(self, chunks: dict[int, list[int]], pad_tokens: int = 0) -> list[torch.Tensor]:
-        """chunks: request -> its new tokens. Returns per request the logits of its new tokens."""
+    def step(self, chunks: dict[int, list[int]], pad_tokens: int = 0, pad_reqs: int = 0) -> list[torch.Tensor]:
+        """chunks: request -> its new tokens. Returns per request the logits of its new tokens.
+        Padding as a graphed step has it: pad_tokens tokens with slot -1, owned by pad_reqs padding
+        requests of seq_len 0 (one token each, the rest to none)."""
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
         for r, toks in chunks.items():
             start = self.lens.get(r, 0)
@@ -107,19 +109,24 @@ class FlatDriver:
         ids += [0] * pad_tokens                          # padding: any token, scratch slot, no request
         pos += [0] * pad_tokens
         slots += [-1] * pad_tokens
+        real = qsl[-1]
+        for k in range(1, pad_reqs + 1):
+            qsl.append(min(real + k, len(ids)))
+            seq_lens.append(0)
         width = max(len(self.tables[r]) for r in chunks)
-        bt = torch.zeros(len(chunks), width, dtype=torch.int32)
+        bt = torch.zeros(len(chunks) + pad_reqs, width, dtype=torch.int32)
         for i, r in enumerate(chunks):
             bt[i, :len(self.tables[r])] = torch.tensor(self.tables[r], dtype=torch.int32)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=bt, slot_mapping=torch.tensor(slots, dtype=torch.long), num_reqs=len(chunks),
+            block_table=bt, slot_mapping=torch.tensor(slots, dtype=torch.long), num_reqs=len(chunks) + pad_reqs,
             num_tokens=len(ids), max_query_len=max(len(t) for t in chunks.values()), max_seq_len=max(seq_lens),
             query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
             seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32))
         with set_forward_context(ForwardContext(meta, self.kv, self.backend)):
             hidden = self.model(torch.tensor(ids), torch.tensor(pos))
         assert hidden.shape[0] == len(ids)
+        assert torch.isfinite(hidden).all(), "padding produced NaN/inf"
         logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32
         return [logits[qsl[i]:qsl[i + 1]] for i in range(len(chunks))]
@@ -150,7 +157,8 @@ class HFRunner:
 
 def run_schedule(flat_model, hf_model, prompts, late_prompt):
     """Prefill all prompts in one flat batch, then decode; at decode step 2 a late prompt's prefill
-    joins the decodes, at step 3 the batch carries padding tokens. Returns per-step flat logits and
+    joins the decodes, at steps 3 and 4 the batch carries padding tokens (at 4 owned by padding
+    requests of seq_len 0). Returns per-step flat logits and
     the largest relative error against transformers."""
     flat, hf = FlatDriver(flat_model), HFRunner(hf_model)
     chunks = dict(enumerate(prompts))
@@ -158,7 +166,7 @@ def run_schedule(flat_model, hf_model, prompts, late_prompt):
     for step in range(DECODE_STEPS + 1):
         if step == 2:
             chunks[len(prompts)] = late_prompt
-        got = flat.step(chunks, pad_tokens=3 if step == 3 else 0)
+        got = flat.step(chunks, pad_tokens=3 if step in (3, 4) else 0, pad_reqs=2 if step == 4 else 0)
         history.append(torch.cat(got))
         nxt = {}
         for (r, toks), logits in zip(chunks.items(), got):
