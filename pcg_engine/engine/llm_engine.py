@@ -272,7 +272,9 @@ class LLMEngine:
         detok = self.detokenizers.get(request.request_id)
         if request.is_finished:
             self.detokenizers.pop(request.request_id, None)
-        tokens = [t for t in request.output_token_ids if t != PLACEHOLDER]
+        # Placeholders only ever trail the real tokens: one C-level slice, not a Python filter
+        # (this runs for every request every step).
+        tokens = request.token_ids[request.num_prompt_tokens:request.num_tokens - request.num_placeholders]
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, token_ids=tokens,
             text=detok.text if detok is not None else "", finished=request.is_finished,
