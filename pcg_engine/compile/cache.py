@@ -17,6 +17,7 @@ manifest for other fields, a missing, changed or unlisted file is deleted and re
 """
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -40,7 +41,9 @@ def default_cache_root() -> Path:
     return Path(os.path.expanduser("~")) / ".cache" / "pcg_engine" / "compile"
 
 
+@functools.lru_cache(maxsize=None)
 def source_hash(root: Path = _SOURCE_ROOT) -> str:
+    """Once per process: the code that runs is what was imported, not what the files say later."""
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         if "__pycache__" in path.parts:
