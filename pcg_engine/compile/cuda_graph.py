@@ -66,22 +66,27 @@ class GraphPool:
         return out
 
 
-def capture(pool: GraphPool, fn, *args):
-    """Record fn(*args) into a new graph in the shared pool; returns (graph, outputs).
+def capture(pool: GraphPool, fn, *args, warmups: int = 1):
+    """Warm fn up, then record fn(*args) into a new graph in the shared pool; returns (graph, outputs).
 
-    capture_begin/end instead of the torch.cuda.graph context: the context runs gc.collect() and
-    empty_cache() per capture, which is seconds over hundreds of piece captures and would give
-    the shared pool's cached blocks back to the driver between captures.
+    The warm-up runs first, on the capture stream itself: Triton autotuning, lazy cuBLAS handle and
+    workspace creation and anything else that syncs or allocates per stream must happen outside
+    the capture. capture_begin/end instead of the torch.cuda.graph context: the context runs
+    gc.collect() and empty_cache() per capture, which is seconds over hundreds of piece captures
+    and would give the shared pool's cached blocks back to the driver between captures.
     """
     graph = torch.cuda.CUDAGraph()
-    pool.stream.wait_stream(torch.cuda.current_stream(pool.device))
+    current = torch.cuda.current_stream(pool.device)
+    pool.stream.wait_stream(current)
     with torch.cuda.stream(pool.stream):
+        for _ in range(warmups):
+            fn(*args)
         graph.capture_begin(pool=pool.pool)
         try:
             outputs = fn(*args)
         finally:
             graph.capture_end()
-    torch.cuda.current_stream(pool.device).wait_stream(pool.stream)
+    current.wait_stream(pool.stream)
     return graph, outputs
 
 
@@ -156,9 +161,6 @@ class GraphedPiece:
             return entry.outputs
         if not (pool.capturing and T in self.buckets):
             return self.compiled(*args)
-        # Warm-up at this size first: Triton autotuning, lazy workspace and handle creation and
-        # anything else that syncs must not happen inside the capture.
-        self.compiled(*args)
         graph, outputs = capture(pool, self.compiled, *args)
         graph.replay()  # capture only records: produce this dummy forward's real outputs
         self.entries[T] = _Entry(graph, _map(non_owning, outputs), _pointers(args))

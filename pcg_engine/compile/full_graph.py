@@ -103,17 +103,13 @@ class FullDecodeGraphs:
         with no_split_kv(self.runner.backend):
             for bucket in sorted(self.buckets, reverse=True):
                 self._dummy_batch(bucket)
-                with torch.cuda.stream(self.pool.stream):
-                    self.pool.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
-                    for _ in range(self.warmups):   # compile/autotune kernels, create workspaces
-                        self._forward(bucket)
-                torch.cuda.current_stream(self.pool.device).wait_stream(self.pool.stream)
-                graph, out = capture(self.pool, self._forward, bucket)
+                graph, out = capture(self.pool, self._forward, bucket, warmups=self.warmups)
                 self.graphs[bucket], self.outputs[bucket] = graph, out
                 self.captures[bucket] = self.captures.get(bucket, 0) + 1
                 if task is not None:
                     progress.advance(task)
-        torch.cuda.synchronize(self.pool.device)
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
         return time.perf_counter() - t0
 
     @torch.inference_mode()

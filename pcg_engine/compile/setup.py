@@ -61,7 +61,8 @@ def capture_piecewise(runner, forward: CompiledForward, buckets, progress=None) 
             _dummy_forward(runner, forward, bucket)
             if task is not None:
                 progress.advance(task)
-    torch.cuda.synchronize(runner.device)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
     return time.perf_counter() - t0
 
 

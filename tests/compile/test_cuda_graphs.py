@@ -1,0 +1,135 @@
+"""CUDA graphs (GPU only): capture once per bucket, replay with new inputs equals eager, padding rows
+are harmless, the debug address check holds. float32 so that eager and graphed runs compare tightly."""
+
+import pytest
+import torch
+
+from compile_helpers import SCHEDULE, Lockstep, make_runner, run_workload
+
+pytestmark = pytest.mark.gpu
+
+BUCKETS = [2, 4, 8, 16, 32]
+GPU = dict(device="cuda", dtype="float32", max_capture_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def gpu_runners(tiny_dense, tiny_moe, cache_root):
+    cache = {}
+
+    def get(preset, mode, **kw):
+        key = (preset, mode, tuple(sorted(kw.items())))
+        if key not in cache:
+            path = tiny_dense if preset == "dense" else tiny_moe
+            cache[key] = make_runner(path, mode, compile_cache_dir=str(cache_root), **{**GPU, **kw})
+        return cache[key]
+    return get
+
+
+def _assert_matches(eager, graphed, atol=2e-3):
+    def check(results, index):
+        (ref, _), (out, _) = results
+        torch.testing.assert_close(out, ref, atol=atol, rtol=atol, msg=lambda m: f"step {index}: {m}")
+    run_workload([eager, graphed], check)
+
+
+@pytest.mark.parametrize("preset", ["dense", "moe"])
+def test_every_bucket_captured_exactly_once(gpu_runners, preset):
+    runner = gpu_runners(preset, "piecewise", cudagraph_buckets=BUCKETS)
+    pool = runner.graph_pool
+    pieces = runner.forward_fn.stats.pieces
+    assert runner.token_buckets == BUCKETS
+    assert dict(pool.captures) == {(i, b): 1 for i in range(pieces) for b in BUCKETS}
+    assert runner.timings["capture_s"] > 0 and runner.timings["graph_pool_mib"] >= 0
+    eager = gpu_runners(preset, "eager", attention_backend=runner.backend.name)
+    _assert_matches(eager, runner)
+    assert dict(pool.captures) == {(i, b): 1 for i in range(pieces) for b in BUCKETS}   # no recapture
+    assert pool.replays > 0 and runner.forward_fn.stats.dynamo_traces == 1
+
+
+@pytest.mark.parametrize("preset", ["dense", "moe"])
+def test_full_decode_buckets_captured_once_and_replayed(gpu_runners, preset):
+    runner = gpu_runners(preset, "full_and_piecewise", cudagraph_buckets=BUCKETS, decode_buckets=[1, 2, 4, 8])
+    graphs = runner.full_graphs
+    assert graphs.captures == {1: 1, 2: 1, 4: 1, 8: 1}
+    eager = gpu_runners(preset, "eager", attention_backend=runner.backend.name)
+    before = graphs.replays
+    paths = []
+    lock = Lockstep([eager, runner])
+    try:
+        for rid, n in [("a", 5), ("b", 9), ("c", 3)]:
+            lock.add(rid, list(range(10, 10 + n)))
+        for step in [[("a", 5), ("b", 9), ("c", 3)]] + [[("a", 1), ("b", 1), ("c", 1)]] * 4 + [[("b", 1)]]:
+            (ref, _), (out, _) = lock.step(step)
+            torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+            paths.append(runner.last_path)
+    finally:
+        lock.close()
+    assert paths[0] == "piecewise" and set(paths[1:]) == {"full"}
+    assert graphs.replays - before == 5
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_decode"])
+def test_replay_with_new_inputs_matches_eager(gpu_runners, mode):
+    runner = gpu_runners("dense", mode, cudagraph_buckets=BUCKETS)
+    eager = gpu_runners("dense", "eager", attention_backend=runner.backend.name)
+    for _ in range(2):     # the second round replays graphs captured long before, on new data
+        _assert_matches(eager, runner)
+
+
+def _garbage_hook(runner, seed=0):
+    """After prepare, fill the padding rows of the static buffers with valid-looking garbage."""
+    real = runner.batch.prepare
+    b = runner.batch
+    padded = []
+
+    def prepare(scheduled, pad_tokens_to=None, pad_reqs_to=None, previous_tokens=None):
+        inputs = real(scheduled, pad_tokens_to=pad_tokens_to, pad_reqs_to=pad_reqs_to,
+                      previous_tokens=previous_tokens)
+        g = torch.Generator(device=b.input_ids.device).manual_seed(seed + len(padded))
+        T, Tp = inputs.num_real_tokens, inputs.input_ids.shape[0]
+        R, Rp = inputs.num_real_reqs, inputs.metadata.num_reqs
+        dev = b.input_ids.device
+        b.input_ids[T:Tp] = torch.randint(0, runner.vocab_size, (Tp - T,), generator=g, device=dev)
+        b.positions[T:Tp] = torch.randint(0, runner.max_model_len, (Tp - T,), generator=g, device=dev)
+        b.step_block_table[R:Rp] = torch.randint(1, runner.num_kv_blocks, (Rp - R, b.max_blocks), generator=g,
+                                                 device=dev, dtype=torch.int32)
+        padded.append(Tp - T)
+        return inputs
+    return prepare, real, padded
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_garbage_in_padding_rows_changes_no_real_output(gpu_runners, mode):
+    runner = gpu_runners("dense", mode, cudagraph_buckets=BUCKETS)
+    runner.graph_pool.debug = True      # also check every replay's input addresses
+    lock = Lockstep([runner])
+    hooked, real, padded = _garbage_hook(runner)
+    try:
+        for rid, prompt in [("a", list(range(3, 8))), ("b", list(range(40, 53))), ("c", list(range(9, 12)))]:
+            lock.add(rid, prompt)
+        for step in SCHEDULE[:1] + [[("a", 1), ("b", 13), ("c", 3)], [("a", 1), ("b", 1), ("c", 1)]]:
+            clean = lock.step(step, advance=False)[0][0]
+            runner.batch.prepare = hooked
+            dirty = lock.step(step, advance=False)[0][0]
+            runner.batch.prepare = real
+            torch.testing.assert_close(dirty, clean, atol=1e-5, rtol=1e-5)
+            lock.step(step)
+    finally:
+        runner.batch.prepare = real
+        runner.graph_pool.debug = False
+        lock.close()
+    assert any(padded), "no step was padded"
+
+
+def test_debug_check_catches_moved_inputs(gpu_runners):
+    runner = gpu_runners("dense", "piecewise", cudagraph_buckets=BUCKETS)
+    pool = runner.graph_pool
+    ids = torch.zeros(8, dtype=torch.long, device="cuda")    # not the static buffer
+    from pcg_engine.attention.context import ForwardContext, set_forward_context
+    pool.debug = True
+    try:
+        with torch.inference_mode(), set_forward_context(ForwardContext(None, runner.kv_caches, runner.backend)):
+            with pytest.raises(RuntimeError, match="static buffers"):
+                runner.forward_fn(ids, runner.batch.positions[:8])
+    finally:
+        pool.debug = False
