@@ -305,3 +305,34 @@ def test_random_workloads_sync_async_and_configs_agree(dense_path):
                 else:
                     assert res[rid] == ref[rid], (key, rid)
     assert all(engines[(1, mode)].stats.preemptions > 0 for mode in (False, True))
+
+
+def test_last_token_in_flight_is_not_scheduled_again(dense_path):
+    """Async: a request whose last allowed token (max_tokens or max_model_len) is in flight gets no
+    further step; one that stops on a token gets at most the one wasted step."""
+    llm = make_llm(dense_path, async_scheduling=True, max_model_len=24)
+    engine = llm.engine
+    scheduled = {}
+    real = engine.scheduler.schedule
+
+    def schedule():
+        out = real()
+        for r, _ in out.scheduled:
+            scheduled[r.request_id] = scheduled.get(r.request_id, 0) + 1
+        return out
+    engine.scheduler.schedule = schedule
+    prompts = random_prompts([6, 9, 20], seed=34)
+    ref = llm.generate(prompts[:1], greedy(6, ignore_eos=True))[0].token_ids
+    scheduled.clear()
+    for rid, prompt, params in [("m1", prompts[0], greedy(1, ignore_eos=True)),
+                                ("m3", prompts[1], greedy(3, ignore_eos=True)),
+                                ("len", prompts[2], greedy(4, ignore_eos=True)),      # 20 + 4 = max_model_len
+                                ("stop", prompts[0], greedy(6, ignore_eos=True, stop_token_ids=[ref[1]]))]:
+        engine.add_request(prompt, params, request_id=rid)
+    finals = drain(engine)
+    assert [len(finals[r].token_ids) for r in ("m1", "m3", "len")] == [1, 3, 4]
+    assert scheduled["m1"] == 1 and scheduled["m3"] == 3 and scheduled["len"] == 4
+    stop_at = ref.index(ref[1]) + 1
+    assert finals["stop"].token_ids == ref[:stop_at]
+    assert stop_at <= scheduled["stop"] <= stop_at + 1
+    assert_drained(engine)
