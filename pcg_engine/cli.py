@@ -96,7 +96,7 @@ def cmd_generate(args) -> int:
         else:
             outs = llm.generate(prompts, params)
         gen_s = time.perf_counter() - t1
-    except PcgError as e:
+    except (PcgError, ValueError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 2
     for prompt, out in zip(prompts, outs):
