@@ -107,7 +107,10 @@ def _sha256(path: Path) -> str:
 
 
 def _files(entry: Path) -> list[Path]:
-    return sorted(p for p in entry.rglob("*") if p.is_file() and p.name != MANIFEST)
+    # Lock files are Inductor's and Triton's inter-process locks: empty, never loaded, and created
+    # or removed by whoever compiles next, so they are neither listed nor checked.
+    return sorted(p for p in entry.rglob("*")
+                  if p.is_file() and p.name != MANIFEST and not p.name.endswith(".lock"))
 
 
 class CompileCache:
@@ -119,13 +122,15 @@ class CompileCache:
         self.entry = self.root / self.key
         self.state: str | None = None       # "hit" (verified entry) or "miss" (new build)
         self.rejected: str | None = None    # why an existing entry was deleted
+        self._lock_fd: int | None = None
 
     def open(self) -> str:
-        """Create/verify the directories; returns 'hit' or 'miss'."""
+        """Create/verify the directories; returns 'hit' or 'miss'. Holds the key's lock until close()."""
         if not self.root.exists():
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             os.chmod(self.root, 0o700)   # makedirs' mode is masked by the umask
         check_private(self.root)
+        self._lock()
         if self.entry.exists():
             check_private(self.entry)
             problem = self.verify()
@@ -160,6 +165,23 @@ class CompileCache:
             if p.stat().st_size != meta["size"] or _sha256(p) != meta["sha256"]:
                 return f"checksum mismatch in {name}"
         return None
+
+    def _lock(self) -> None:
+        """One process per key at a time: a second start waits for the first build and then hits,
+        instead of deleting a build in progress as 'interrupted'."""
+        if self._lock_fd is not None:
+            return
+        self._lock_fd = os.open(self.root / f"{self.key}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            import fcntl
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        except ImportError:  # pragma: no cover - no POSIX locks: builds are not serialised
+            pass
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)     # releases the flock
+            self._lock_fd = None
 
     def commit(self) -> None:
         """Record every file of the entry; written last, atomically, so a partial build has none."""

@@ -34,7 +34,8 @@ def token_buckets_for(runner) -> list[int]:
     config = runner.config
     limit = runner.max_num_tokens
     wanted = config.cudagraph_buckets or default_buckets(min(config.max_capture_tokens, limit))
-    return sorted({max(b, MIN_TRACED_TOKENS) for b in wanted if b <= limit})
+    clamped = {max(b, MIN_TRACED_TOKENS) for b in wanted}
+    return sorted(b for b in clamped if b <= limit)
 
 
 def _dummy_forward(runner, forward, num_tokens: int):
@@ -97,13 +98,17 @@ def setup_compiled_modes(runner, progress=None) -> None:
         runner.token_buckets = buckets if split else [MIN_TRACED_TOKENS]
         cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
         before = inductor_cache_counters()
-        with cache_ctx:
-            # Trace and compile at the largest size the runner will graph (Inductor's size hint).
-            trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens, runner.max_num_tokens),
-                               MIN_TRACED_TOKENS)
-            _dummy_forward(runner, forward, trace_tokens)
-        if cache is not None:
-            cache.commit()
+        try:
+            with cache_ctx:
+                # Trace and compile at the largest size the runner will graph (Inductor's size hint).
+                trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens,
+                                                                   runner.max_num_tokens), MIN_TRACED_TOKENS)
+                _dummy_forward(runner, forward, trace_tokens)
+            if cache is not None:
+                cache.commit()
+        finally:
+            if cache is not None:
+                cache.close()
         after = inductor_cache_counters()
         stats = forward.stats
         timings["inductor_s"] = stats.inductor_s

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -20,7 +21,10 @@ def _built(root, fields=FIELDS):
     (cache.entry / "inductor" / "ab" / "graph.py").write_text("print('compiled')\n")
     (cache.entry / "triton" ).mkdir(exist_ok=True)
     (cache.entry / "triton" / "kernel.bin").write_bytes(b"\x00\x01" * 100)
+    (cache.entry / "inductor" / "locks").mkdir()
+    (cache.entry / "inductor" / "locks" / "x.lock").write_bytes(b"")
     cache.commit()
+    cache.close()
     return cache
 
 
@@ -47,6 +51,36 @@ def test_bad_entry_is_deleted_and_rebuilt(tmp_path, damage, reason):
     assert again.open() == "miss"
     assert reason in again.rejected
     assert list(again.entry.iterdir()) == []          # nothing of the bad entry survives
+
+
+def test_lock_files_are_not_part_of_the_entry(tmp_path):
+    first = _built(tmp_path / "c")
+    (first.entry / "inductor" / "locks" / "x.lock").unlink()
+    (first.entry / "inductor" / "locks" / "y.lock").write_bytes(b"")
+    again = CompileCache(tmp_path / "c", FIELDS)
+    assert again.open() == "hit"
+    again.close()
+
+
+def test_a_second_start_waits_for_the_build_then_hits(tmp_path):
+    builder = CompileCache(tmp_path / "c", FIELDS)
+    assert builder.open() == "miss"
+    result = {}
+
+    def second():
+        waiter = CompileCache(tmp_path / "c", FIELDS)
+        result["state"] = waiter.open()
+        waiter.close()
+    thread = threading.Thread(target=second)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive()              # blocked on the key's lock, not deleting the build
+    (builder.entry / "inductor").mkdir()
+    (builder.entry / "inductor" / "graph.py").write_text("x = 1\n")
+    builder.commit()
+    builder.close()
+    thread.join(10)
+    assert result["state"] == "hit"
 
 
 def test_version_mismatch_in_manifest_is_rejected(tmp_path):
