@@ -1,13 +1,15 @@
 """Compiled (split and whole) models against eager on a mixed workload, on the CPU: no graphs, but
 the split, the compiled pieces and the bucket padding all run."""
 
+import os
+
 import pytest
 import torch
 
 from compile_helpers import SCHEDULE, run_workload
 
 
-def _check_against_eager(eager, compiled):
+def _check_against_eager(eager, compiled, schedule=SCHEDULE):
     paths = []
 
     def check(results, index):
@@ -16,7 +18,7 @@ def _check_against_eager(eager, compiled):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {index}: {m}")
         paths.append((inputs.num_real_tokens, inputs.input_ids.shape[0], compiled.last_path))
 
-    run_workload([eager, compiled], check)
+    run_workload([eager, compiled], check, schedule=schedule)
     return paths
 
 
@@ -67,3 +69,26 @@ def test_pick_padding(dense_piecewise, tokens):
         assert path == "piecewise"
     else:
         assert pad is None and path == "compiled"
+
+
+def test_piecewise_with_kernel_custom_ops_matches_eager(tiny_dense, cache_root):
+    """The CUDA configuration's graph: norms and activation are Triton custom ops inside the pieces
+    (run by Triton's interpreter on a CPU machine, hence the few small steps)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    from compile_helpers import make_runner
+    eager = make_runner(tiny_dense, "eager", kernels=True)
+    compiled = make_runner(tiny_dense, "piecewise", kernels=True, max_capture_tokens=4,
+                           compile_cache_dir=str(cache_root))
+    assert compiled.token_buckets == [2, 4]
+    assert "pcg.rms_norm" in "".join(s.graph_module.code for s in compiled.forward_fn.backend.submodules)
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12]}
+    schedule = [[("a", 5)], [("a", 1)], [("b", 3), ("a", 1)]]     # T = 5 (unpadded), 1 -> 2, 4
+
+    def check(results, index):
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
+    run_workload([eager, compiled], check, schedule=schedule, prompts=prompts)
+    stats = compiled.forward_fn.stats
+    assert stats.dynamo_traces == 1 and stats.inductor_compiles == 3 and stats.pieces == 5
+    assert compiled.forward_fn.eager_calls == 0

@@ -43,10 +43,12 @@ def test_cpu_modes_generate_the_same_tokens(preset, cache_root, request):
 
 GPU_MODES = ["compile", "piecewise", "full_decode", "full_and_piecewise"]
 GPU_CASES = {
-    # chunked prefill and mixed batches
-    "chunked": dict(num_kv_blocks=256, max_num_batched_tokens=48),
-    # few KV blocks: requests are preempted and recomputed
-    "preemption": dict(num_kv_blocks=10, max_num_batched_tokens=64),
+    # chunked prefill and mixed batches, synchronous scheduling, dense and MoE
+    "chunked-sync": (dict(num_kv_blocks=256, max_num_batched_tokens=48, async_scheduling=False),
+                     ["tiny_dense", "tiny_moe"]),
+    # few KV blocks (requests are preempted and recomputed), async scheduling
+    "preemption-async": (dict(num_kv_blocks=10, max_num_batched_tokens=64, async_scheduling=True),
+                         ["tiny_dense"]),
 }
 
 
@@ -59,29 +61,29 @@ def _gpu_workload():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_gpu_modes_generate_the_same_tokens(tiny_dense, tiny_moe, cache_root, case, async_scheduling):
+def test_gpu_modes_generate_the_same_tokens(case, cache_root, request):
     prompts = _gpu_workload()
-    for path in (tiny_dense, tiny_moe):
+    settings, presets = GPU_CASES[case]
+    for preset in presets:
+        path = request.getfixturevalue(preset)
         # float32: the comparison is about the mechanisms, not about bf16 rounding differences
         # between Inductor's fusions and the eager kernels flipping near-tied argmaxes.
         common = dict(device="cuda", dtype="float32", max_num_seqs=16, block_size=16,
-                      async_scheduling=async_scheduling, compile_cache_dir=str(cache_root),
-                      max_capture_tokens=64, **GPU_CASES[case])
+                      compile_cache_dir=str(cache_root), max_capture_tokens=64, **settings)
         want = _generate(LLM(model=str(path), mode="eager", **common), prompts, max_tokens=12)
         for mode in GPU_MODES:
             llm = LLM(model=str(path), mode=mode, **common)
             got = _generate(llm, prompts, max_tokens=12)
-            assert got == want, (path.name, case, mode)
+            assert got == want, (preset, case, mode)
             # A second round on the warm engine: prefix-cache hits for every prompt.
-            assert _generate(llm, prompts, max_tokens=12) == want, (path.name, case, mode, "prefix hits")
+            assert _generate(llm, prompts, max_tokens=12) == want, (preset, case, mode, "prefix hits")
             runner = llm.engine.runner
             if mode in ("piecewise", "full_and_piecewise"):
                 assert runner.graph_pool.replays > 0
             if mode in ("full_decode", "full_and_piecewise"):
                 assert runner.full_graphs.replays > 0
-            if case == "preemption":
+            if case.startswith("preemption"):
                 assert llm.engine.stats.preemptions > 0
             del llm
             torch.cuda.empty_cache()
