@@ -30,8 +30,7 @@ class CompileStats:
     splitting_nodes: int = 0   # attention nodes of the last trace
     inductor_compiles: int = 0
     reuses: int = 0
-    dynamo_s: float = 0.0      # trace time up to the backend call (time in the backend excluded)
-    inductor_s: float = 0.0
+    inductor_s: float = 0.0    # wall time inside Inductor (the set-up derives dynamo_s from it)
     keys: list = field(default_factory=list)   # piece key of each piece, in order
 
 
@@ -97,11 +96,6 @@ class PcgBackend:
         self.split_module: torch.fx.GraphModule | None = None
         self.submodules: list[Submodule] = []
         self.graph: torch.fx.GraphModule | None = None
-        self._trace_started: float | None = None
-
-    def trace_started(self):
-        """Called by the compiled forward's first call: the Dynamo time runs from here to __call__."""
-        self._trace_started = time.perf_counter()
 
     def _compile(self, gm, args, key):
         compiled = self.artifacts.get(key)
@@ -116,9 +110,6 @@ class PcgBackend:
         return compiled
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        if self._trace_started is not None:
-            self.stats.dynamo_s += time.perf_counter() - self._trace_started
-            self._trace_started = None
         self.stats.dynamo_traces += 1
         self.graph = gm
         fake_mode, fakes = _fake_inputs(gm, example_inputs)
