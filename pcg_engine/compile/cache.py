@@ -131,6 +131,13 @@ class CompileCache:
             os.chmod(self.root, 0o700)   # makedirs' mode is masked by the umask
         check_private(self.root)
         self._lock()
+        try:
+            return self._open_entry()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_entry(self) -> str:
         if self.entry.exists():
             check_private(self.entry)
             problem = self.verify()

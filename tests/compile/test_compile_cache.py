@@ -109,6 +109,10 @@ def test_refuses_group_or_world_writable_dir(tmp_path):
     os.chmod(cache.entry, 0o770)
     with pytest.raises(CompileCacheError, match=cache.key):
         CompileCache(root, FIELDS).open()
+    os.chmod(cache.entry, 0o700)          # the refused open released the key's lock
+    again = CompileCache(root, FIELDS)
+    assert again.open() == "hit"
+    again.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to chown")
