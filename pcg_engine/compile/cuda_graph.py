@@ -15,7 +15,8 @@ Memory: the graph keeps only non-owning views of its outputs. While one forward 
 it still needs are held by the split module's locals, so the allocator cannot hand them to a later
 piece's capture; once the forward is over the memory returns to the shared pool, and the next
 (smaller) bucket's graphs reuse it. That is safe because forwards never overlap on the stream and
-the runner consumes a forward's output before launching the next one.
+the runner consumes a forward's output before launching the next one. PCG_CUDAGRAPH_STRONG_OUTPUTS=1
+keeps the outputs alive instead (every bucket then holds its own activations).
 """
 
 import contextlib
@@ -38,6 +39,8 @@ class GraphPool:
         self.passthrough = False     # inside a whole-forward capture: pieces run ungraphed
         self.num_tokens: int | None = None   # set by the compiled forward before every call
         self.debug = os.environ.get("PCG_CUDAGRAPH_DEBUG") == "1" if debug is None else debug
+        # Keep graph outputs alive instead of non-owning views (more memory; a debugging aid).
+        self.strong_outputs = os.environ.get("PCG_CUDAGRAPH_STRONG_OUTPUTS") == "1"
         self.captures: Counter = Counter()   # (piece index, bucket) -> captures (must stay 1)
         self.replays = 0
 
@@ -163,7 +166,8 @@ class GraphedPiece:
             return self.compiled(*args)
         graph, outputs = capture(pool, self.compiled, *args)
         graph.replay()  # capture only records: produce this dummy forward's real outputs
-        self.entries[T] = _Entry(graph, _map(non_owning, outputs), _pointers(args))
+        kept = outputs if pool.strong_outputs else _map(non_owning, outputs)
+        self.entries[T] = _Entry(graph, kept, _pointers(args))
         pool.captures[(self.index, T)] += 1
         return outputs
 
