@@ -133,3 +133,16 @@ def test_debug_check_catches_moved_inputs(gpu_runners):
                 runner.forward_fn(ids, runner.batch.positions[:8])
     finally:
         pool.debug = False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool])
+def test_non_owning_view_shares_memory(dtype):
+    from pcg_engine.compile.cuda_graph import non_owning
+    base = torch.arange(24, device="cuda").to(dtype).view(4, 6)
+    t = base[:, 1:5]                                   # strided, with an offset
+    v = non_owning(t)
+    assert v is not t, "fell back to a strong reference"
+    assert (v.data_ptr(), v.dtype, v.shape, v.stride()) == (t.data_ptr(), t.dtype, t.shape, t.stride())
+    assert torch.equal(v, t)
+    base.zero_()
+    assert torch.equal(v, t)                           # same memory, not a copy
