@@ -115,7 +115,7 @@ class ModelRunner:
         if self.token_buckets and T <= self.token_buckets[-1]:
             size = next(b for b in self.token_buckets if b >= T)
             return size, None, "piecewise"
-        return None, None, "compiled" if self.forward_fn is not self.model.forward else "eager"
+        return None, None, "compiled" if self.forward_fn != self.model.forward else "eager"
 
     @torch.inference_mode()
     def execute(self, scheduled, previous_tokens: torch.Tensor | None = None):
