@@ -179,7 +179,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"):
             return
         rng = random.Random(0)
-        for _ in range(500):                   # everything admitted must run to its end
+        # Everything admitted must run to its end. The bound scales with the work left: with a
+        # budget of one token per step, each remaining token may cost a step (plus recomputes).
+        work = sum(r.max_total_tokens() for r in self.sched.requests.values())
+        for _ in range(100 + 4 * work):
             if not self.sched.has_unfinished_requests():
                 break
             self.do_step(rng)
