@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    # The tiny test models gain nothing from intra-op threads, and on a loaded 2-core machine
+    # OpenMP spin-waiting makes every small op an order of magnitude slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

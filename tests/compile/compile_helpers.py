@@ -5,29 +5,15 @@ KV caches evolve identically and their logits can be compared step by step; ever
 requests get the token the first runner's logits pick, keeping the histories identical too.
 """
 
-import os
-import shutil
-from pathlib import Path
 
 import torch
+from tiny_checkpoints import build_tiny  # noqa: F401  (re-exported for conftest)
 
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine.model_runner import ModelRunner
 from pcg_engine.engine.request import Request
 
 RUNNER_DEFAULTS = dict(device="cpu", num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
-
-
-def build_tiny(base: Path, preset: str) -> Path:
-    from pcg_engine.models.checkpoint_maker import make_checkpoint
-
-    final = Path(base) / "checkpoints" / preset
-    if not (final / "config.json").exists():
-        tmp = final.with_name(final.name + ".building")
-        shutil.rmtree(tmp, ignore_errors=True)
-        make_checkpoint(preset, tmp, seed=0)
-        os.rename(tmp, final)
-    return final
 
 
 def make_runner(path, mode: str, **overrides) -> ModelRunner:

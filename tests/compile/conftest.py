@@ -5,18 +5,8 @@ later runner with the same configuration starts warm."""
 import os
 
 import pytest
-import torch
 
 from compile_helpers import build_tiny, make_runner
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    # The tiny models gain nothing from threads; on a loaded 2-core machine OpenMP spinning costs a lot.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

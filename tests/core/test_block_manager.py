@@ -1,6 +1,5 @@
 """Block manager: allocation, reference counts, the hash-chained prefix cache, the scratch block."""
 
-import copy
 from types import SimpleNamespace
 
 import pytest

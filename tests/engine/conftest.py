@@ -6,17 +6,8 @@ slower.
 """
 
 import pytest
-import torch
 
 from engine_helpers import HFReference, build_tiny, make_eos_checkpoint
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

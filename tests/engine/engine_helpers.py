@@ -7,23 +7,10 @@ request's tokens, and no output carries a placeholder.
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
-
-
-def build_tiny(base: Path, preset: str) -> Path:
-    """The tiny checkpoint of `preset` under `base` (built once; later calls find it)."""
-    from pcg_engine.models.checkpoint_maker import make_checkpoint
-
-    final = Path(base) / "checkpoints" / preset
-    if not (final / "config.json").exists():
-        tmp = final.with_name(final.name + ".building")
-        shutil.rmtree(tmp, ignore_errors=True)
-        make_checkpoint(preset, tmp, seed=0)
-        os.rename(tmp, final)
-    return final
+from tiny_checkpoints import build_tiny  # noqa: F401  (re-exported for conftest)
 
 
 def make_eos_checkpoint(src: Path, out: Path, eos: int) -> Path:

@@ -3,7 +3,6 @@ hits, under preemption, with chunked prefill; dense and MoE), seeded sampling in
 every stop condition, logprobs, streaming and incremental detokenization."""
 
 import pytest
-import torch
 
 from engine_helpers import assert_drained, assert_tokens, drain, make_llm, random_prompts
 from pcg_engine.engine.detokenizer import IncrementalDetokenizer

@@ -8,7 +8,6 @@ cache, one of them padded, one of them mixed with a late prompt's prefill.
 """
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -23,6 +22,7 @@ from pcg_engine.attention.rope import rope_cache
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.fuse import parameter_bytes
 from pcg_engine.models.loader import load_model
+from tiny_checkpoints import build_tiny
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3-moe"]
 BS = 4                 # small blocks: every request spans several, in shuffled order
@@ -32,25 +32,9 @@ DECODE_STEPS = 5
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_checkpoint(tmp_path_factory, preset) -> Path:
     """Built once per session (same place as the engine tests' copy)."""
-    from pcg_engine.models.checkpoint_maker import make_checkpoint
-
-    final = tmp_path_factory.getbasetemp() / "checkpoints" / preset
-    if not (final / "config.json").exists():
-        tmp = final.with_name(final.name + ".building")
-        shutil.rmtree(tmp, ignore_errors=True)
-        make_checkpoint(preset, tmp, seed=0)
-        os.rename(tmp, final)
-    return final
+    return build_tiny(tmp_path_factory.getbasetemp(), preset)
 
 
 @pytest.fixture(scope="module")
