@@ -110,6 +110,23 @@ def build_llm(model_path: str, **config):
     return LLM(model_path, **config)
 
 
+def run_each_mode(args, model: str, run_mode, describe: str) -> dict:
+    """Build an engine per mode of `--modes`, run `run_mode(llm, args)` on it, free it; name -> result.
+
+    Modes run one after another in this process, so their figures are comparable side by side."""
+    from rich.console import Console
+    console = Console(stderr=True)
+    results = {}
+    for name, mode_kw in parse_modes(args.modes):
+        console.print(f"[bold]mode {name}[/bold]: building the engine")
+        llm = build_llm(model, **engine_kwargs(args), **mode_kw)
+        with console.status(f"{name}: {describe}"):
+            results[name] = run_mode(llm, args)
+        free_llm(llm)
+        del llm
+    return results
+
+
 def free_llm(llm) -> None:
     """Drop an engine and its KV cache / graph pool before the next mode is built."""
     del llm

@@ -76,20 +76,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
     args = make_parser().parse_args(argv)
     if args.output_len < 2:
         raise SystemExit("--output-len must be >= 2: TPOT divides the decode time by (new tokens - 1)")
-    console = Console(stderr=True)
     model = common.resolve_model(args.model, args.seed)
-    results = {}
-    for name, mode_kw in common.parse_modes(args.modes):
-        console.print(f"[bold]mode {name}[/bold]: building the engine")
-        llm = common.build_llm(model, **common.engine_kwargs(args), **mode_kw)
-        with console.status(f"{name}: {args.warmup_iters} warm-up + {args.num_iters} iterations"):
-            results[name] = run_mode(llm, args)
-        common.free_llm(llm)
-        del llm
+    results = common.run_each_mode(args, model, run_mode, f"{args.warmup_iters} warm-up + {args.num_iters} iterations")
     base = next(iter(results.values()))
     common.print_table(f"latency: batch {args.batch_size}, {args.input_len} prompt tokens, {args.output_len} new",
                        ["mode", "TTFT ms (median)", "TPOT ms (median)", "TPOT p90", "tok/s per request",

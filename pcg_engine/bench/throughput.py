@@ -85,18 +85,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
     args = make_parser().parse_args(argv)
-    console = Console(stderr=True)
     model = common.resolve_model(args.model, args.seed)
-    results = {}
-    for name, mode_kw in common.parse_modes(args.modes):
-        console.print(f"[bold]mode {name}[/bold]: building the engine")
-        llm = common.build_llm(model, **common.engine_kwargs(args), **mode_kw)
-        with console.status(f"{name}: {args.num_prompts} requests"):
-            results[name] = run_mode(llm, args)
-        common.free_llm(llm)
-        del llm
+    results = common.run_each_mode(args, model, run_mode, f"{args.num_prompts} requests")
     base = next(iter(results.values()))["output_throughput"]
     common.print_table(f"offline throughput: {args.num_prompts} requests", [
         "mode", "output tok/s", "total tok/s", "req/s", "elapsed s", "steps", "host ms/step", "vs first"],
