@@ -143,20 +143,30 @@ class BlockManager:
         num_cached_tokens) are set to the prefix length. Returns False, changing nothing, when
         the free blocks do not suffice.
         """
+        table = self._tables.get(request.request_id)
+        if table is not None:
+            # Fast path, every running request every step: it already holds blocks, so there is no
+            # prefix lookup; usually its last block still has room and nothing changes.
+            fresh = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+            if fresh <= 0:
+                return True
+            if fresh > len(self._free_plain) + len(self._free_cached):
+                return False
+            for _ in range(fresh):
+                table.append(self._pop_free())
+            return True
         hits, hashes, computed, fresh, cost = self._plan(request, num_new_tokens)
         if cost > self.num_free_blocks:
             return False
         rid = request.request_id
-        table = self._tables.get(rid)
-        if table is None:
-            table = self._tables[rid] = []
-            for block_id in hits:             # claim before taking fresh blocks, or we might evict them
-                self._take(block_id)
-                table.append(block_id)
-            self._hashes[rid] = hashes
-            request.num_computed_tokens = computed
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = computed
+        table = self._tables[rid] = []
+        for block_id in hits:                 # claim before taking fresh blocks, or we might evict them
+            self._take(block_id)
+            table.append(block_id)
+        self._hashes[rid] = hashes
+        request.num_computed_tokens = computed
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = computed
         for _ in range(fresh):
             table.append(self._pop_free())
         return True
@@ -204,10 +214,14 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        table = self._tables.get(request.request_id)
-        if not table:
+        hashes = self._hashes.get(request.request_id)
+        # Cheap exit first: called for every scheduled request after each launch and each resolve,
+        # but a block fills only every block_size tokens. No block beyond the computed tokens can
+        # be published, so with one hash per computed full block there is nothing to do.
+        if hashes is None or request.num_computed_tokens // self.block_size <= len(hashes):
             return
-        hashes, tokens, bs = self._hashes[request.request_id], request.token_ids, self.block_size
+        table = self._tables[request.request_id]
+        tokens, bs = request.token_ids, self.block_size
         num_full = min(request.num_computed_tokens, len(tokens), len(table) * bs) // bs
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):

@@ -41,9 +41,11 @@ class InputBatch:
         self.max_num_tokens = max_num_tokens
         self.device = device
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
-        self.num_written = np.zeros(max_num_seqs, dtype=np.int64)     # tokens written into each row
+        # Per-row counts as Python lists: they are only read one row at a time, on the hot path
+        # (update / set_token, every request every step), where a numpy scalar read costs more.
+        self.num_written = [0] * max_num_seqs     # tokens written into each row
         self.block_table = np.zeros((max_num_seqs, self.max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_blocks = [0] * max_num_seqs      # block ids written into each row
         self.row_of: dict[str, int] = {}
         self.sample_index = np.zeros(max_num_seqs, dtype=np.int64)  # row -> index in last step's tokens
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -90,13 +92,17 @@ class InputBatch:
     def update(self, request, block_ids: list[int] | None = None) -> None:
         """Append the tokens and blocks this row has not seen yet (placeholders stored as -1)."""
         row = self.row_of[request.request_id]
-        start, end = int(self.num_written[row]), request.num_tokens
-        if end > start:
-            self.token_ids[row, start:end] = request.token_ids[start:end]
+        tokens = request.token_ids
+        start, end = self.num_written[row], len(tokens)
+        if end == start + 1:     # a decode step's one token: a scalar write, no list slice
+            self.token_ids[row, start] = tokens[start]
+            self.num_written[row] = end
+        elif end > start:
+            self.token_ids[row, start:end] = tokens[start:end]
             self.num_written[row] = end
         if block_ids is None:
             return
-        nb = int(self.num_blocks[row])
+        nb = self.num_blocks[row]
         if len(block_ids) > nb:
             self.block_table[row, nb:len(block_ids)] = block_ids[nb:]
             self.num_blocks[row] = len(block_ids)

@@ -186,15 +186,15 @@ class LLMEngine:
         previous = self.inflight.sampled.token_ids if self.inflight is not None else None
         logits, inputs = self.runner.execute(plan.scheduled, previous_tokens=previous)
         self.scheduler.update_after_step(plan.scheduled)
-        rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
         if self._full_sampler_rows:
+            rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
             sampled = self.sampler(logits, self.sampling.select(rows))
             self.sampling.record_sampled(sampled.token_ids, rows)
         else:
             sampled = SamplerOutput(token_ids=logits.argmax(dim=-1))
         slots = []
         for request in inputs.sample_rows:
-            slots.append((request, request.num_tokens))
+            slots.append((request, len(request.token_ids)))
             request.append_output(PLACEHOLDER)
             batch.update(request)   # the row learns of the placeholder (-1) too
         self.stats.steps += 1
@@ -207,12 +207,18 @@ class LLMEngine:
         lps = self._logprob_lists(inflight.sampled)
         now = time.monotonic()
         outputs = []
+        set_token, cache_full_blocks = self.runner.batch.set_token, self.block_manager.cache_full_blocks
+        generated = 0
+        # This loop runs for every request every step: plain attribute reads and bound methods
+        # hoisted above, no property chains (a running request is never finished: `is` first).
         for i, ((request, index), token) in enumerate(zip(inflight.slots, values)):
-            if request.is_finished or index >= request.num_tokens or request.token_ids[index] != PLACEHOLDER:
+            tokens = request.token_ids
+            if ((request.status is not _RUNNING and request.is_finished)
+                    or index >= len(tokens) or tokens[index] != PLACEHOLDER):
                 continue     # stopped or aborted while this step ran: its token is dropped
             request.resolve_placeholder(index, token)
-            self.runner.batch.set_token(request.request_id, index, token)
-            self.stats.generated_tokens += 1
+            set_token(request.request_id, index, token)
+            generated += 1
             if request.first_token_time is None:
                 request.first_token_time = now
             if lps is not None and request.request_id in self.logprobs:
@@ -227,13 +233,14 @@ class LLMEngine:
                 self.scheduler.finish_request(request, status, reason)
                 self._forget(request)
             else:
-                self.block_manager.cache_full_blocks(request)
+                cache_full_blocks(request)
             outputs.append(self._output(request, [token], delta))
+        self.stats.generated_tokens += generated
         return outputs
 
     def _check_stop(self, request: Request, index: int, token: int, detok):
         p = request.sampling_params
-        num_out = index + 1 - request.num_prompt_tokens
+        num_out = index + 1 - len(request.prompt_token_ids)
         if not p.ignore_eos and token in self.eos_token_ids and num_out >= p.min_tokens:
             return RequestStatus.FINISHED_STOPPED, None
         if token in p.stop_token_ids and num_out >= p.min_tokens:
@@ -269,21 +276,29 @@ class LLMEngine:
         self.generators.pop(request.request_id, None)
 
     def _output(self, request: Request, new_tokens: list[int], delta: str) -> RequestOutput:
-        detok = self.detokenizers.get(request.request_id)
-        if request.is_finished:
-            self.detokenizers.pop(request.request_id, None)
-        # Placeholders only ever trail the real tokens: one C-level slice, not a Python filter
-        # (this runs for every request every step).
-        tokens = request.token_ids[request.num_prompt_tokens:request.num_tokens - request.num_placeholders]
+        # Runs for every request every step: the finished test once (a running request never is),
+        # plain attribute reads rather than the Request's properties.
+        rid = request.request_id
+        finished = request.status is not _RUNNING and request.is_finished
+        if finished:
+            detok = self.detokenizers.pop(rid, None)
+            logprobs = self.logprobs.pop(rid, None)
+        else:
+            detok = self.detokenizers.get(rid)
+            logprobs = self.logprobs.get(rid)
+        # Placeholders only ever trail the real tokens: one C-level slice, not a Python filter.
+        all_tokens = request.token_ids
+        tokens = all_tokens[len(request.prompt_token_ids):len(all_tokens) - request.num_placeholders]
         return RequestOutput(
-            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, token_ids=tokens,
-            text=detok.text if detok is not None else "", finished=request.is_finished,
+            request_id=rid, prompt_token_ids=request.prompt_token_ids, token_ids=tokens,
+            text=detok.text if detok is not None else "", finished=finished,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
                                    request.finish_time, request.num_cached_tokens),
-            new_token_ids=new_tokens, new_text=delta,
-            logprobs=(self.logprobs.pop(request.request_id, None) if request.is_finished
-                      else self.logprobs.get(request.request_id)))
+            new_token_ids=new_tokens, new_text=delta, logprobs=logprobs)
+
+
+_RUNNING = RequestStatus.RUNNING
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -141,20 +141,25 @@ class Scheduler:
 
     # Planning ------------------------------------------------------------------------------------
 
+    # The three helpers below run for every running request every step: they read token_ids
+    # directly rather than through Request's size properties.
+
     def _last_token_in_flight(self, request: Request) -> bool:
-        return request.num_placeholders > 0 and (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.config.max_model_len)
+        if not request.num_placeholders:
+            return False
+        n = len(request.token_ids)
+        return (n - len(request.prompt_token_ids) >= request.sampling_params.max_tokens
+                or n >= self.config.max_model_len)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        remaining = request.num_tokens - num_computed
+        remaining = len(request.token_ids) - num_computed
         if remaining <= budget:
             return max(remaining, 0)
         return budget if self.config.enable_chunked_prefill else 0
 
     def _schedule_one(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.scheduled.append((request, num_new))
-        out.samples.append(request.num_computed_tokens + num_new == request.num_tokens)
+        out.samples.append(request.num_computed_tokens + num_new == len(request.token_ids))
         out.num_batched_tokens += num_new
 
     def _preempt(self, request: Request) -> None:
@@ -215,6 +220,7 @@ class Scheduler:
         """
         if isinstance(scheduled, SchedulerOutput):
             scheduled = scheduled.scheduled
+        cache_full_blocks = self.block_manager.cache_full_blocks
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(request)
+            cache_full_blocks(request)
