@@ -167,16 +167,23 @@ class SamplingTensors:
         self._write_stops(idx, stops)
         if pen_rows:
             self._write_penalty_tokens(pen_rows, pen_prompt, pen_output)
+        # The flags scan every row: skip it when no row's contribution changes (the engine writes
+        # and clears a row per admission and per finish; most rows are plain greedy).
+        neutral = (all(_flag_neutral(self.params[i]) for i in indices)
+                   and all(_flag_neutral(r.params) for r in rows))
         for i, r, gen in zip(indices, rows, gens):
             self.params[i] = r.params
             self.generators[i] = gen
-        self._refresh_flags()
+        if not neutral:
+            self._refresh_flags()
 
     def clear_rows(self, indices: Sequence[int]) -> None:
+        neutral = all(_flag_neutral(self.params[i]) for i in indices)   # as in write_rows
         for i in indices:
             self.params[i] = None
             self.generators[i] = None
-        self._refresh_flags()
+        if not neutral:
+            self._refresh_flags()
 
     def select(self, rows: Sequence[int]) -> SamplingTensors:
         """The tensors of `rows` (host indices) in that order, for one step's logits rows.
@@ -291,6 +298,13 @@ class SamplingTensors:
 def _uses_penalties(p: SamplingParams) -> bool:
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0)
+
+
+def _flag_neutral(p: SamplingParams | None) -> bool:
+    """A row that adds to no host flag in _refresh_flags (free, or greedy with no penalties,
+    min_tokens or logprobs): putting one in or taking one out leaves every flag as it was."""
+    return p is None or (p.greedy and p.logprobs is None and p.min_tokens <= 0
+                         and not _uses_penalties(p))
 
 
 class Sampler:
