@@ -32,6 +32,11 @@ case "${1:-validate}" in
     timeout 180 $B load-test --model $q06 --modes full_decode,full_and_piecewise --num-prompts 300 \
       --request-rate 20 --input-len 1024 --output-len 128 --goodput ttft:200 tpot:20 --no-progress \
       --json $OUT/p3_q06.json 2>&1 | tail -12
+    for n in 1 8 32; do   # issue 5's P3: TTFT of n concurrent 512-token prompts, piecewise vs eager prefill
+      timeout 60 $B load-test --model $q06 --modes full_decode,full_and_piecewise --num-prompts $n \
+        --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
+        --json $OUT/ttft_512x$n.json 2>&1 | tail -6
+    done
     timeout 60 $B overhead --host-only --model $q06 --batch-sizes 16,64,256 --json $OUT/p4_host.json 2>&1 | tail -8
     timeout 120 $B overhead --model $q06 --requests 64 --slots 64 --new-tokens 64 --json $OUT/overhead64.json 2>&1 | tail -12 ;;
   *) echo "usage: $0 validate|latency|serving"; exit 2 ;;
