@@ -63,6 +63,7 @@ class InputBatch:
         self.seq_lens = dev(R, dtype=torch.int32)
         self.step_block_table = dev(R, self.max_blocks, dtype=torch.int32)
         self.logits_indices = dev(R, dtype=torch.long)
+        self.placeholder_index = dev(2, T, dtype=torch.long)   # (flat row, index in last step's tokens)
         # Pinned host staging, two sets used alternately; one int64 buffer per step for the flat
         # arrays and one int32 buffer for the per-request ones keeps it to a few copies.
         self._staging = [self._make_staging(pin) for _ in range(2)]
@@ -71,7 +72,8 @@ class InputBatch:
     def _make_staging(self, pin):
         T, R, B = self.max_num_tokens, self.max_num_seqs, self.max_blocks
         return {"tok": torch.zeros(3 * T + R, dtype=torch.long, pin_memory=pin),
-                "req": torch.zeros(2 * R + 1 + R * B, dtype=torch.int32, pin_memory=pin)}
+                "req": torch.zeros(2 * R + 1 + R * B, dtype=torch.int32, pin_memory=pin),
+                "ph": torch.zeros(2 * T, dtype=torch.long, pin_memory=pin)}
 
     # ---- rows -------------------------------------------------------------------------------
     def add(self, request) -> int:
@@ -187,10 +189,16 @@ class InputBatch:
         if len(ph):
             if previous_tokens is None:
                 raise RuntimeError("a placeholder token is scheduled but no step is in flight")
-            src = self.sample_index[tok_rows[ph]]
-            dst_t = torch.from_numpy(ph).to(d, non_blocking=nb)
-            src_t = torch.from_numpy(src).to(d, non_blocking=nb)
-            self.input_ids.index_copy_(0, dst_t, previous_tokens.index_select(0, src_t))
+            # Through pinned staging: a copy from pageable memory would wait for the GPU to drain,
+            # which is exactly the overlap async scheduling exists for.
+            k, M = len(ph), self.max_num_tokens
+            staged = stage["ph"].numpy()
+            staged[:k] = ph
+            staged[M:M + k] = self.sample_index[tok_rows[ph]]
+            index = self.placeholder_index
+            index[0, :k].copy_(stage["ph"][:k], non_blocking=nb)
+            index[1, :k].copy_(stage["ph"][M:M + k], non_blocking=nb)
+            self.input_ids.index_copy_(0, index[0, :k], previous_tokens.index_select(0, index[1, :k]))
         # Where each row's sampled token will sit in this step's output, for the next step.
         self.sample_index[rows[sampling]] = np.arange(int(sampling.sum()))
 
