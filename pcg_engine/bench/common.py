@@ -127,6 +127,16 @@ def run_each_mode(args, model: str, run_mode, describe: str) -> dict:
     return results
 
 
+def write_mode_results(args, model: str, benchmark: str, results: dict) -> None:
+    """The JSON of a --modes benchmark: environment, flags, the first mode's result at the top
+    level, and every mode under "modes" when several ran."""
+    payload = {"benchmark": benchmark, **env_record(model, args.device), "config": config_record(args),
+               **next(iter(results.values()))}
+    if len(results) > 1:
+        payload["modes"] = results
+    write_json(args.json, payload)
+
+
 def free_llm(llm) -> None:
     """Drop an engine and its KV cache / graph pool before the next mode is built."""
     del llm

@@ -90,11 +90,7 @@ def main(argv=None) -> int:
                          f"{base['tpot_ms']['median'] / max(r['tpot_ms']['median'], 1e-9):.2f}x",
                          f"{base['ttft_ms']['median'] / max(r['ttft_ms']['median'], 1e-9):.2f}x"]
                         for n, r in results.items()])
-    payload = {"benchmark": "latency", **common.env_record(model, args.device), "config": common.config_record(args),
-               **base}
-    if len(results) > 1:
-        payload["modes"] = results
-    common.write_json(args.json, payload)
+    common.write_mode_results(args, model, "latency", results)
     return 0
 
 

@@ -93,11 +93,7 @@ def main(argv=None) -> int:
         "mode", "output tok/s", "total tok/s", "req/s", "elapsed s", "steps", "host ms/step", "vs first"],
         [[n, r["output_throughput"], r["total_token_throughput"], r["request_throughput"], r["elapsed_s"],
           r["steps"], r["host_ms_per_step"], f"{r['output_throughput'] / base:.2f}x"] for n, r in results.items()])
-    payload = {"benchmark": "throughput", **common.env_record(model, args.device),
-               "config": common.config_record(args), **next(iter(results.values()))}
-    if len(results) > 1:
-        payload["modes"] = results
-    common.write_json(args.json, payload)
+    common.write_mode_results(args, model, "throughput", results)
     return 0
 
 
