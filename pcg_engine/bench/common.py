@@ -12,9 +12,7 @@ import gc
 import json
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def resolve_model(model: str | None, seed: int = 0) -> str:
     """A checkpoint directory, or a preset name built once into the user cache (random weights)."""
     from pcg_engine.models import presets
-    from pcg_engine.models.checkpoint_maker import DEFAULT_PRESET, ensure_default_model, make_checkpoint
+    from pcg_engine.models.checkpoint_maker import DEFAULT_PRESET, ensure_checkpoint, ensure_default_model
 
     if model is None or model == DEFAULT_PRESET:
         return str(ensure_default_model())
@@ -35,20 +33,10 @@ def resolve_model(model: str | None, seed: int = 0) -> str:
     if model not in presets.PRESETS:
         raise SystemExit(f"--model: {model!r} is neither a checkpoint directory nor a preset; "
                          f"presets: {', '.join(sorted(presets.PRESETS))}")
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pcg_engine" / "models"
-    final = root / f"{model}-seed{seed}"
-    if (final / "config.json").exists():
-        return str(final)
-    root.mkdir(parents=True, exist_ok=True)
     import torch
-    # Build aside, then rename: an interrupted build never leaves a half-written model behind.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
-        make_checkpoint(model, tmp, seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pcg_engine" / "models"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return str(ensure_checkpoint(model, root / f"{model}-seed{seed}", seed=seed, device=device))
 
 
 # ---- flags ---------------------------------------------------------------------------------------

@@ -236,9 +236,9 @@ def default_model_dir() -> Path:
     return root / "pcg_engine" / "models" / f"{DEFAULT_PRESET}-{key.hexdigest()[:12]}"
 
 
-def ensure_default_model() -> Path:
-    """Build the default tiny model on first use; later calls return the cached directory."""
-    final = default_model_dir()
+def ensure_checkpoint(preset: str, final: Path, seed: int = 0, device: str = "cpu") -> Path:
+    """The checkpoint of `preset` at `final`, built there on first use; later calls return it."""
+    final = Path(final)
     if (final / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -246,7 +246,7 @@ def ensure_default_model() -> Path:
     # racing to build both succeed (the loser discards its copy).
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        make_checkpoint(DEFAULT_PRESET, tmp)
+        make_checkpoint(preset, tmp, seed=seed, device=device)
         os.rename(tmp, final)
     except OSError:
         if not (final / "config.json").exists():
@@ -254,6 +254,11 @@ def ensure_default_model() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def ensure_default_model() -> Path:
+    """Build the default tiny model on first use; later calls return the cached directory."""
+    return ensure_checkpoint(DEFAULT_PRESET, default_model_dir())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
