@@ -69,6 +69,17 @@ class LLM:
             if rid in self.engine.requests:    # the caller stopped early: don't leak its blocks
                 self.engine.abort_request(rid)
 
+    def close(self) -> None:
+        """Release the engine's GPU memory now rather than whenever the garbage collector runs;
+        the next LLM built in this process then sizes its KV cache from a free GPU."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     @staticmethod
     def _params_list(params, n):
         if params is None:

@@ -16,31 +16,36 @@ model() {  # build a preset once on the GPU (random weights at the published sha
   [ -f $M/$1/config.json ] || python3 -m pcg_engine.cli make-model --preset $1 --out $M/$1 --device cuda >/dev/null
   echo $M/$1
 }
+DEADLINE=${DEADLINE:-570}   # seconds: the device call's limit is 600
+lim() { local left=$((DEADLINE - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
 part() {
   case "$1" in
-    graphs) timeout 250 $T tests/compile 2>&1 | tee $OUT/gpu_graphs.log | tail -25 ;;
-    tests) timeout 130 $T tests --ignore=tests/compile 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
-    p1) timeout 180 $B latency --model $(model qwen3-0.6b) --modes eager,full_decode,piecewise,full_and_piecewise \
+    graphs) timeout $(lim 250) $T tests/compile ${GRAPHS_K:+-k "$GRAPHS_K"} 2>&1 | tee $OUT/gpu_graphs.log | tail -25 ;;
+    tests) timeout $(lim 130) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
+    p1) timeout $(lim 180) $B latency --model $(model qwen3-0.6b) --modes eager,full_decode,piecewise,full_and_piecewise \
           --num-iters 3 --warmup-iters 1 --json $OUT/p1_q06.json 2>&1 | tail -12 ;;
-    p5) timeout 150 $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json 2>&1 | tail -8 ;;
-    load8b) timeout 90 $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
-    p1_8b) timeout 180 $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise --num-iters 2 \
+    p5) timeout $(lim 150) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json 2>&1 | tail -8 ;;
+    load8b) timeout $(lim 90) $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
+    p1_8b) timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise --num-iters 2 \
           --warmup-iters 1 --json $OUT/p1_q8b.json 2>&1 | tail -8 ;;
-    p2) timeout 150 $B throughput --model $(model qwen3-0.6b) --modes full_and_piecewise --json $OUT/p2_q06.json 2>&1 | tail -8 ;;
-    p3) timeout 200 $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts 300 \
+    p2) timeout $(lim 150) $B throughput --model $(model qwen3-0.6b) --modes full_and_piecewise --json $OUT/p2_q06.json 2>&1 | tail -8 ;;
+    p3) timeout $(lim 200) $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts 300 \
           --request-rate 20 --input-len 1024 --output-len 128 --goodput ttft:200 tpot:20 --no-progress \
           --json $OUT/p3_q06.json 2>&1 | tail -12 ;;
     ttft) for n in 1 8 32; do   # issue 5's P3: TTFT of n concurrent 512-token prompts
-            timeout 60 $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts $n \
+            timeout $(lim 60) $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts $n \
               --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
               --json $OUT/ttft_512x$n.json 2>&1 | tail -6
           done ;;
-    p4) timeout 60 $B overhead --host-only --model $(model qwen3-0.6b) --batch-sizes 16,64,256 --json $OUT/p4_host.json 2>&1 | tail -8 ;;
-    overhead) timeout 150 $B overhead --model $(model qwen3-0.6b) --requests 64 --slots 64 --new-tokens 64 \
+    p4) timeout $(lim 60) $B overhead --host-only --model $(model qwen3-0.6b) --batch-sizes 16,64,256 --json $OUT/p4_host.json 2>&1 | tail -8 ;;
+    overhead) timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests 64 --slots 64 --new-tokens 64 \
           --json $OUT/overhead64.json 2>&1 | tail -12 ;;
-    profile) timeout 120 $B profile --model $(model qwen3-0.6b) --requests 256 --out-dir $OUT/profile 2>&1 | tail -12 ;;
-    kernels) timeout 150 python3 scripts/bench_kernels.py --json $OUT/kernels.json 2>&1 | tail -30 ;;
+    profile) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 256 --out-dir $OUT/profile 2>&1 | tail -12 ;;
+    kernels) timeout $(lim 150) python3 scripts/bench_kernels.py --json $OUT/kernels.json 2>&1 | tail -30 ;;
     *) echo "unknown part: $1"; exit 2 ;;
   esac
 }
-for p in "${@:-graphs}"; do echo "=== $p $(date +%T)"; part "$p"; done
+for p in "${@:-graphs}"; do
+  if (( DEADLINE - SECONDS < 30 )); then echo "=== $p skipped: the call's time is spent"; continue; fi
+  echo "=== $p $(date +%T) (${SECONDS}s in)"; part "$p"
+done

@@ -126,13 +126,10 @@ def write_mode_results(args, model: str, benchmark: str, results: dict) -> None:
 
 
 def free_llm(llm) -> None:
-    """Drop an engine and its KV cache / graph pool before the next mode is built."""
-    del llm
+    """Release an engine's KV cache, graphs and weights before the next mode is built (the
+    caller's own reference to the LLM object no longer pins device memory)."""
+    llm.close()
     gc.collect()
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def engine_config(llm) -> dict:

@@ -147,6 +147,15 @@ class LLMEngine:
         self._forget(request)
         self.pending_outputs.append(self._output(request, [], ""))
 
+    def close(self) -> None:
+        """Drop every request and release the device memory (see ModelRunner.close). The engine
+        cannot be used afterwards."""
+        self.inflight = None
+        self.requests.clear()
+        self.pending_outputs = []
+        self.sampling = None
+        self.runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.inflight is not None or bool(self.pending_outputs)
 

@@ -66,6 +66,20 @@ class ModelRunner:
         self.full_graphs = None
         self._setup_mode(progress)
 
+    def close(self) -> None:
+        """Release the device memory this runner holds (KV cache, graphs and their pool, compiled
+        pieces, weights, static buffers). A process that builds several engines one after another
+        (the benchmarks' --modes) calls this, so the next engine's KV sizing sees a free GPU
+        whatever references to the old engine remain."""
+        for name in ("full_graphs", "graph_pool", "forward_fn", "kv_caches", "model", "batch", "cos_sin"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        import gc
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     # ---- set-up ------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

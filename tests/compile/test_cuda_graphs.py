@@ -17,7 +17,7 @@ def gpu_runners(tiny_dense, tiny_moe, cache_root):
     cache = {}
 
     def get(preset, mode, **kw):
-        key = (preset, mode, tuple(sorted(kw.items())))
+        key = (preset, mode, repr(sorted(kw.items())))   # bucket lists are not hashable
         if key not in cache:
             path = tiny_dense if preset == "dense" else tiny_moe
             cache[key] = make_runner(path, mode, compile_cache_dir=str(cache_root), **{**GPU, **kw})

@@ -399,3 +399,15 @@ def test_detokenize_false_gives_no_text(engines):
     assert out.text == "" and len(out.token_ids) == 4
     with_text = llm.generate(["hello"], greedy(4))[0]
     assert with_text.token_ids == out.token_ids and with_text.text != ""
+
+
+def test_close_releases_the_kv_cache_and_weights(dense_path):
+    """LLM.close frees device memory at once, even while the caller still holds the LLM object."""
+    import weakref
+    from pcg_engine.llm import LLM
+    with LLM(str(dense_path), device="cpu", num_kv_blocks=16) as llm:
+        out = llm.generate([[5, 6, 7]], greedy(max_tokens=3))
+        assert len(out[0].token_ids) == 3
+        kv = weakref.ref(llm.engine.runner.kv_caches[0])
+        weight = weakref.ref(next(llm.engine.runner.model.parameters()))
+    assert kv() is None and weight() is None

@@ -59,8 +59,15 @@ def test_qwen3_06b_shaped_triton_path_logits_close(tmp_path_factory):
     make_checkpoint("qwen3-0.6b", path, seed=0, device="cuda")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 8000, (n,), generator=g).tolist() for n in (5, 128, 300)]
+    # bf16 rounding over 28 random layers moves the logits by about 1%, on either path. The Triton
+    # path must stay as close to the fp32 reference as the plain bf16 reference path is.
+    exact = prefill_logits(path, "torch", False, "float32", prompts)
     ref = prefill_logits(path, "torch", False, "bfloat16", prompts)
     fast = prefill_logits(path, "triton", True, "bfloat16", prompts)
-    rel = (fast - ref).norm() / ref.norm()
     assert torch.isfinite(fast).all()
-    assert rel <= 1e-2, f"relative error {rel:.3e} between the Triton and reference paths"
+
+    def rel(x):
+        return ((x - exact).norm() / exact.norm()).item()
+    assert rel(ref) < 5e-2, f"bf16 reference path off the fp32 one by {rel(ref):.3e}"
+    assert rel(fast) <= 1.5 * rel(ref) + 1e-3, \
+        f"Triton path {rel(fast):.3e} from fp32, the bf16 reference path {rel(ref):.3e}"
