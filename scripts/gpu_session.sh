@@ -40,7 +40,7 @@ part() {
     p4) timeout $(lim 60) $B overhead --host-only --model $(model qwen3-0.6b) --batch-sizes 16,64,256 --json $OUT/p4_host.json 2>&1 | tail -8 ;;
     overhead) timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests 64 --slots 64 --new-tokens 64 \
           --json $OUT/overhead64.json 2>&1 | tail -12 ;;
-    profile) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 256 --out-dir $OUT/profile 2>&1 | tail -12 ;;
+    profile) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 256 --configs 'full graphs,full graphs + async' --out-dir $OUT/profile 2>&1 | tail -12 ;;
     kernels) timeout $(lim 150) python3 scripts/bench_kernels.py --json $OUT/kernels.json 2>&1 | tail -30 ;;
     *) echo "unknown part: $1"; exit 2 ;;
   esac
@@ -49,3 +49,8 @@ for p in "${@:-graphs}"; do
   if (( DEADLINE - SECONDS < 30 )); then echo "=== $p skipped: the call's time is spent"; continue; fi
   echo "=== $p $(date +%T) (${SECONDS}s in)"; part "$p"
 done
+# The device returns at most 8 files: pack everything into one archive (Chrome traces left out if
+# the archive would pass the 16 MiB limit).
+tar czf /tmp/results.tgz -C "$OUT" . && [ $(stat -c %s /tmp/results.tgz) -gt 15000000 ] && \
+  tar czf /tmp/results.tgz --exclude='trace_*' -C "$OUT" .
+rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT"/

@@ -24,12 +24,20 @@ def _read_files(files) -> float:
     return time.perf_counter() - t0
 
 
-def _rss_mib() -> float:
+def _rss_mib() -> tuple[float, float]:
+    """(resident MiB, anonymous resident MiB). The second excludes pages of mapped files:
+    safetensors maps each shard, and the kernel's page cache behind those pages is not a copy
+    of the weights made by this process."""
+    rss = anon = None
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("RssAnon:"):
+                anon = int(line.split()[1]) / 1024
+    if rss is None:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return rss, rss if anon is None else anon
 
 
 def main(argv=None) -> int:
@@ -49,8 +57,12 @@ def main(argv=None) -> int:
     total = sum(f.stat().st_size for f in files)
     largest = max(f.stat().st_size for f in files)
     read_s = _read_files(files)
+    if device.startswith("cuda"):
+        # Create the CUDA context first: its host memory (driver, modules) is not the loader's.
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize()
     base = _rss_mib()
-    peak = base
+    peak = list(base)
     # Sample RSS from a thread while loading: ru_maxrss is the whole process's lifetime peak.
     import threading
     done = threading.Event()
@@ -58,7 +70,8 @@ def main(argv=None) -> int:
     def sample():
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, _rss_mib())
+            now = _rss_mib()
+            peak[0], peak[1] = max(peak[0], now[0]), max(peak[1], now[1])
             time.sleep(0.01)
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -74,7 +87,8 @@ def main(argv=None) -> int:
     result = {"load_s": load_s, "read_files_s": read_s, "read_files_again_s": read_again_s,
               "load_over_read": load_s / max(min(read_s, read_again_s), 1e-9),
               "checkpoint_gib": total / 2**30, "largest_shard_gib": largest / 2**30,
-              "peak_host_above_baseline_gib": (peak - base) / 1024,
+              "peak_host_above_baseline_gib": (peak[0] - base[0]) / 1024,
+              "peak_anon_host_above_baseline_gib": (peak[1] - base[1]) / 1024,
               "num_files": len(files), "parameters": sum(x.numel() for x in model.parameters()),
               **env_record(str(path), device)}
     print_table("weight load", ["what", "value"], [[k, v] for k, v in result.items()

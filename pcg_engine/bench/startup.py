@@ -20,11 +20,13 @@ from pcg_engine.bench.common import env_record, print_table, resolve_model, writ
 
 _CHILD = """
 import json, sys, time
+t0 = time.perf_counter()
 from pcg_engine.llm import LLM
+imports_s = time.perf_counter() - t0
 cfg = json.loads(sys.argv[1])
 llm = LLM(cfg.pop("model"), **cfg)
 runner = llm.engine.runner
-print("PCG_READY " + json.dumps({"timings": runner.timings, "mode": runner.mode}), flush=True)
+print("PCG_READY " + json.dumps({"timings": {"imports_s": imports_s, **runner.timings}, "mode": runner.mode}), flush=True)
 """
 
 
@@ -65,9 +67,9 @@ def main(argv=None) -> int:
     rows = []
     for name, r in (("cold", cold), ("warm", warm)):
         t = r["timings"]
-        rows.append([name, r["ready_s"], t.get("weight_load_s"), t.get("dynamo_s"), t.get("inductor_s"),
+        rows.append([name, r["ready_s"], t.get("imports_s"), t.get("device_init_s"), t.get("weight_load_s"), t.get("dynamo_s"), t.get("inductor_s"),
                      t.get("capture_s"), t.get("graph_pool_mib")])
-    print_table(f"start-up ({cold['mode']})", ["run", "ready s", "weights s", "dynamo s", "inductor s",
+    print_table(f"start-up ({cold['mode']})", ["run", "ready s", "imports s", "CUDA init s", "weights s", "dynamo s", "inductor s",
                                                 "capture s", "graph pool MiB"], rows)
     if args.json:
         write_json(args.json, {"cold": cold, "warm": warm, "config": config, **env_record(model, args.device)})

@@ -32,6 +32,11 @@ class ModelRunner:
         self.timings: dict[str, float] = {}
         self.dtype = config.torch_dtype(device.type)
         t0 = time.perf_counter()
+        if device.type == "cuda":    # the CUDA context: seconds on a first use, not weight loading
+            torch.zeros(1, device=device)
+            torch.cuda.synchronize(device)
+        self.timings["device_init_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         kernels = config.kernels if config.kernels is not None else device.type == "cuda"
         self.model = load_model(model_path, device=device, dtype=self.dtype, fuse=config.fuse, kernels=kernels)
         self.timings["weight_load_s"] = time.perf_counter() - t0
