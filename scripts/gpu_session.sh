@@ -38,8 +38,10 @@ part() {
               --json $OUT/ttft_512x$n.json 2>&1 | tail -6
           done ;;
     p4) timeout $(lim 60) $B overhead --host-only --model $(model qwen3-0.6b) --batch-sizes 16,64,256 --json $OUT/p4_host.json 2>&1 | tail -8 ;;
-    overhead) timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests 64 --slots 64 --new-tokens 64 \
-          --json $OUT/overhead64.json 2>&1 | tail -12 ;;
+    overhead) for n in ${OVERHEAD_N:-16 64 256}; do
+            timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests $n --slots $n --new-tokens 64 \
+              --json $OUT/overhead$n.json 2>&1 | tail -12
+          done ;;
     profile) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 256 --configs 'full graphs,full graphs + async' --out-dir $OUT/profile 2>&1 | tail -12 ;;
     kernels) timeout $(lim 150) python3 scripts/bench_kernels.py --json $OUT/kernels.json 2>&1 | tail -30 ;;
     *) echo "unknown part: $1"; exit 2 ;;
