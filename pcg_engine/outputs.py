@@ -1,6 +1,14 @@
-"""What the engine returns: per request, its tokens, text, finish reason and timing."""
+"""What the engine returns: per request, its tokens, text, finish reason and timing.
 
-from dataclasses import dataclass, field
+The engine makes one RequestOutput per request per step (256 of them a step at batch 256), so
+building one must cost well under a microsecond: the cumulative token list and the metrics are
+taken from the request only when read. Both are snapshots of the step that made the output: the
+tokens are a prefix of the request's token list of fixed length (outputs are only ever appended
+behind it, and a step's trailing placeholders are excluded), and the finish time shows only on the
+output that finished the request.
+"""
+
+from dataclasses import dataclass
 
 
 @dataclass
@@ -16,20 +24,49 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-@dataclass
 class RequestOutput:
-    """Cumulative state of one request; `new_token_ids` / `new_text` are this step's delta."""
+    """Cumulative state of one request; `new_token_ids` / `new_text` are this step's delta.
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None            # "stop", "length", "abort", "error" or None while running
-    stop_reason: int | str | None
-    metrics: RequestMetrics
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    logprobs: list[dict] | None = None   # per output token: {"token": id, "logprob": x, "top": [(id, x), ...]}
-    prompt: str | None = None
-    error: str | None = None
+    Fields: request_id, prompt_token_ids, token_ids (outputs so far), text, finished,
+    finish_reason ("stop", "length", "abort", "error" or None while running), stop_reason (the stop
+    token or string), metrics (RequestMetrics), new_token_ids, new_text, logprobs (per output
+    token: {"token": id, "logprob": x, "top": [(id, x), ...]}), prompt, error.
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "text", "finished", "finish_reason", "stop_reason",
+                 "new_token_ids", "new_text", "logprobs", "prompt", "error",
+                 "_request", "_end", "_token_ids", "_metrics")
+
+    def __init__(self, request, end: int, text: str, finished: bool, new_token_ids: list[int],
+                 new_text: str = "", logprobs: list[dict] | None = None):
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.text, self.finished = text, finished
+        self.finish_reason, self.stop_reason = request.finish_reason, request.stop_reason
+        self.new_token_ids, self.new_text, self.logprobs = new_token_ids, new_text, logprobs
+        self.prompt = self.error = None
+        self._request, self._end = request, end
+        self._token_ids = self._metrics = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._token_ids is None:
+            self._token_ids = self._request.token_ids[len(self.prompt_token_ids):self._end]
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        self._token_ids = value
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        if self._metrics is None:
+            r = self._request
+            self._metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time,
+                                           r.finish_time if self.finished else None, r.num_cached_tokens)
+        return self._metrics
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids}, text={self.text!r}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r}, "
+                f"new_token_ids={self.new_token_ids}, new_text={self.new_text!r})")

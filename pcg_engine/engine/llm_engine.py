@@ -24,7 +24,7 @@ from pcg_engine.engine.sampler import Sampler, SamplerOutput, SamplingRow, Sampl
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import eos_token_ids, load_tokenizer
 from pcg_engine.errors import InvalidRequestError
-from pcg_engine.outputs import RequestMetrics, RequestOutput
+from pcg_engine.outputs import RequestOutput
 from pcg_engine.sampling_params import SamplingParams
 
 
@@ -108,6 +108,11 @@ class LLMEngine:
         params.validate_against_model(self.vocab_size)
         request = Request(request_id, ids, params, arrival_time=arrival_time,
                           eos_token_id=min(self.eos_token_ids) if self.eos_token_ids else None)
+        # What _check_stop can end the request on, for _resolve's quick test (a superset: it
+        # ignores min_tokens, so the full test still runs whenever one of these shows up).
+        request.stop_token_set = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+        request.last_index = min(n + params.max_tokens, L) - 1
         self.scheduler.check_request(request)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -181,17 +186,25 @@ class LLMEngine:
         self.stats.preemptions += len(plan.preempted)
         for victim in plan.preempted:
             self._release_row(victim)
+        row_of, num_written, num_blocks = batch.row_of, batch.num_written, batch.num_blocks
+        block_table = self.block_manager.block_table
         for request, _ in plan.scheduled:
-            if request.request_id not in batch.row_of:
+            rid = request.request_id
+            row = row_of.get(rid)
+            if row is None:
                 row = batch.add(request)
                 p = request.sampling_params
                 outputs = [t for t in request.output_token_ids if t != PLACEHOLDER]
                 self.sampling.write_rows([row], [SamplingRow(
-                    p, outputs, request.prompt_token_ids, self.generators.get(request.request_id),
+                    p, outputs, request.prompt_token_ids, self.generators.get(rid),
                     None if p.ignore_eos else sorted(self.eos_token_ids))])
                 if not _plain_greedy(p):
                     self._full_sampler_rows.add(row)
-            batch.update(request, self.block_manager.block_table(request.request_id))
+            table = block_table(rid)
+            # Usually nothing changed since the last step (a decode's block has room, its token is
+            # in the row already): skip the call.
+            if len(table) != num_blocks[row] or len(request.token_ids) != num_written[row]:
+                batch.update(request, table)
         previous = self.inflight.sampled.token_ids if self.inflight is not None else None
         logits, inputs = self.runner.execute(plan.scheduled, previous_tokens=previous)
         self.scheduler.update_after_step(plan.scheduled)
@@ -202,10 +215,19 @@ class LLMEngine:
         else:
             sampled = SamplerOutput(token_ids=logits.argmax(dim=-1))
         slots = []
+        token_rows = batch.token_ids
         for request in inputs.sample_rows:
-            slots.append((request, len(request.token_ids)))
-            request.append_output(PLACEHOLDER)
-            batch.update(request)   # the row learns of the placeholder (-1) too
+            tokens = request.token_ids
+            n = len(tokens)
+            slots.append((request, n))
+            tokens.append(PLACEHOLDER)            # Request.append_output, inlined: runs per request per step
+            request.num_placeholders += 1
+            row = row_of[request.request_id]
+            if num_written[row] == n:             # the row learns of the placeholder (-1) too
+                token_rows[row, n] = PLACEHOLDER
+                num_written[row] = n + 1
+            else:
+                batch.update(request)
         self.stats.steps += 1
         return Inflight(sampled, slots)
 
@@ -216,23 +238,41 @@ class LLMEngine:
         lps = self._logprob_lists(inflight.sampled)
         now = time.monotonic()
         outputs = []
-        set_token, cache_full_blocks = self.runner.batch.set_token, self.block_manager.cache_full_blocks
+        batch = self.runner.batch
+        row_of, num_written = batch.row_of, batch.num_written
+        rows, cols, vals = [], [], []          # resolved tokens, written into the rows in one go
+        cache_full_blocks, bs = self.block_manager.cache_full_blocks, self.block_manager.block_size
+        detokenizers, logprobs = self.detokenizers, self.logprobs
         generated = 0
-        # This loop runs for every request every step: plain attribute reads and bound methods
-        # hoisted above, no property chains (a running request is never finished: `is` first).
+        # This loop runs for every request every step (256 times a step at batch 256): plain
+        # attribute reads, bound methods hoisted above, the common case (no text, no logprobs,
+        # not stopping) without a call, and the rows' numpy writes batched after the loop.
         for i, ((request, index), token) in enumerate(zip(inflight.slots, values)):
             tokens = request.token_ids
             if ((request.status is not _RUNNING and request.is_finished)
                     or index >= len(tokens) or tokens[index] != PLACEHOLDER):
                 continue     # stopped or aborted while this step ran: its token is dropped
-            request.resolve_placeholder(index, token)
-            set_token(request.request_id, index, token)
+            tokens[index] = token
+            request.num_placeholders -= 1
+            rid = request.request_id
+            row = row_of.get(rid)
+            if row is not None and index < num_written[row]:
+                rows.append(row)
+                cols.append(index)
+                vals.append(token)
             generated += 1
             if request.first_token_time is None:
                 request.first_token_time = now
-            if lps is not None and request.request_id in self.logprobs:
-                self.logprobs[request.request_id].append(lps(i, token, request.sampling_params.logprobs))
-            detok = self.detokenizers.get(request.request_id)
+            if lps is not None and rid in logprobs:
+                logprobs[rid].append(lps(i, token, request.sampling_params.logprobs))
+            detok = detokenizers.get(rid)
+            if detok is None and index < request.last_index and token not in request.stop_token_set:
+                # A block that this placeholder kept out of the prefix cache may be publishable.
+                if index // bs < request.num_computed_tokens // bs:
+                    cache_full_blocks(request)
+                outputs.append(RequestOutput(request, len(tokens) - request.num_placeholders, "", False, [token],
+                                             "", logprobs.get(rid)))
+                continue
             delta = detok.add(token) if detok is not None else ""
             status, reason = self._check_stop(request, index, token, detok)
             if status is not None:
@@ -244,6 +284,8 @@ class LLMEngine:
             else:
                 cache_full_blocks(request)
             outputs.append(self._output(request, [token], delta))
+        if rows:
+            batch.token_ids[rows, cols] = vals
         self.stats.generated_tokens += generated
         return outputs
 
@@ -285,26 +327,18 @@ class LLMEngine:
         self.generators.pop(request.request_id, None)
 
     def _output(self, request: Request, new_tokens: list[int], delta: str) -> RequestOutput:
-        # Runs for every request every step: the finished test once (a running request never is),
-        # plain attribute reads rather than the Request's properties.
         rid = request.request_id
-        finished = request.status is not _RUNNING and request.is_finished
-        if finished:
+        if request.status is not _RUNNING and request.is_finished:
             detok = self.detokenizers.pop(rid, None)
             logprobs = self.logprobs.pop(rid, None)
+            finished = True
         else:
             detok = self.detokenizers.get(rid)
             logprobs = self.logprobs.get(rid)
-        # Placeholders only ever trail the real tokens: one C-level slice, not a Python filter.
-        all_tokens = request.token_ids
-        tokens = all_tokens[len(request.prompt_token_ids):len(all_tokens) - request.num_placeholders]
-        return RequestOutput(
-            request_id=rid, prompt_token_ids=request.prompt_token_ids, token_ids=tokens,
-            text=detok.text if detok is not None else "", finished=finished,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
-                                   request.finish_time, request.num_cached_tokens),
-            new_token_ids=new_tokens, new_text=delta, logprobs=logprobs)
+            finished = False
+        # Placeholders only ever trail the real tokens.
+        return RequestOutput(request, len(request.token_ids) - request.num_placeholders,
+                             detok.text if detok is not None else "", finished, new_tokens, delta, logprobs)
 
 
 _RUNNING = RequestStatus.RUNNING
