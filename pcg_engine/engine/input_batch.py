@@ -127,9 +127,11 @@ class InputBatch:
         input is filled from there, on the device.
         """
         R = len(scheduled)
-        rows = np.fromiter((self.row_of[r.request_id] for r, _ in scheduled), dtype=np.int64, count=R)
-        n = np.fromiter((k for _, k in scheduled), dtype=np.int64, count=R)
-        computed = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=R)
+        # One Python pass over the requests (row, new tokens, computed, total tokens), then numpy.
+        row_of = self.row_of
+        info = np.array([(row_of[r.request_id], k, r.num_computed_tokens, len(r.token_ids)) for r, k in scheduled],
+                        dtype=np.int64).reshape(R, 4)
+        rows, n, computed, num_tokens = info[:, 0], info[:, 1], info[:, 2], info[:, 3]
         T = int(n.sum())
         Tp = max(pad_tokens_to or T, T)
         Rp = max(pad_reqs_to or R, R)
@@ -143,7 +145,7 @@ class InputBatch:
         blocks = self.block_table[tok_rows, positions // self.block_size].astype(np.int64)
         slots = blocks * self.block_size + positions % self.block_size
         seq_lens = computed + n
-        sampling = (computed + n) == np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int64, count=R)
+        sampling = (computed + n) == num_tokens
         logits_idx = qsl[1:][sampling] - 1
 
         stage = self._staging[self._flip]
@@ -168,7 +170,10 @@ class InputBatch:
         req[off + R:off + Rp] = 0
         off += Rp
         bt = req[off:off + Rp * self.max_blocks].reshape(Rp, self.max_blocks)
-        bt[:R] = self.block_table[rows]
+        # Only the columns in use: attention never reads a row past its seq_len's blocks, so the
+        # stale columns beyond (left from earlier steps) are never seen.
+        used = -(-int(seq_lens.max()) // self.block_size) if R else 0
+        bt[:R, :used] = self.block_table[rows, :used]
         bt[R:] = 0
 
         d = self.device
