@@ -19,6 +19,7 @@ from pcg_engine.config import EngineConfig
 from pcg_engine.engine.block_manager import BlockManager
 from pcg_engine.engine.detokenizer import IncrementalDetokenizer
 from pcg_engine.engine.model_runner import ModelRunner
+from pcg_engine.engine.readback import TokenReadback
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
 from pcg_engine.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors, make_generator
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
@@ -32,7 +33,8 @@ from pcg_engine.sampling_params import SamplingParams
 class Inflight:
     """A launched step whose sampled tokens are still on the device."""
 
-    sampled: object                                   # SamplerOutput
+    sampled: object                                   # SamplerOutput, on the device
+    pending: object                                   # PendingTokens: its copy to the host (readback.py)
     slots: list = field(default_factory=list)         # (request, index in token_ids) per sampled row
 
 
@@ -66,6 +68,7 @@ class LLMEngine:
         shared = torch.Generator(device=self.device)
         shared.manual_seed(config.seed)
         self.sampler = Sampler(shared)
+        self.readback = TokenReadback(config.max_num_seqs, self.device)
         self.async_scheduling = config.resolved_async(self.device.type)
         self.inflight: Inflight | None = None
         self.requests: dict[str, Request] = {}
@@ -229,13 +232,13 @@ class LLMEngine:
             else:
                 batch.update(request)
         self.stats.steps += 1
-        return Inflight(sampled, slots)
+        return Inflight(sampled, self.readback.start(sampled), slots)
 
     def _resolve(self, inflight: Inflight) -> list[RequestOutput]:
         w0 = time.perf_counter()
-        values = inflight.sampled.token_ids.tolist()   # the one host sync of a step
+        values = self.readback.wait(inflight.pending)   # the one host sync of a step
         self.stats.sync_wait_s += time.perf_counter() - w0
-        lps = self._logprob_lists(inflight.sampled)
+        lps = self._logprob_lists(inflight.pending)
         now = time.monotonic()
         outputs = []
         batch = self.runner.batch

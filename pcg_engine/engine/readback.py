@@ -1,0 +1,59 @@
+"""Reading a step's sampled tokens back to the host without waiting for the step after it.
+
+With async scheduling the engine launches step s+1 before it reads step s's tokens. A plain
+`tensor.tolist()` on the device tensor would enqueue its copy behind everything on the stream, step
+s+1 included, and wait for all of it: the host would then block for two steps' GPU work and the
+overlap would be lost (seen on the H200 profile: the async timeline had the sync one's idle gaps).
+So the copy is enqueued right after step s's sampling, into pinned host memory, with an event
+behind it; reading back waits on that event alone.
+
+Two pinned buffers are used alternately: step s+1's copy must not overwrite the buffer that step
+s's read-back has not consumed yet, and at most two steps are in flight.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PendingTokens:
+    """One step's sampled values on their way to the host."""
+
+    token_ids: torch.Tensor                       # [R] on the host once `event` has passed
+    logprobs: torch.Tensor | None = None          # host copies of the optional logprob fields
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    event: "torch.cuda.Event | None" = None        # None on the CPU: the values are ready
+
+
+class TokenReadback:
+    def __init__(self, max_rows: int, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._buffers = [torch.empty(max_rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._flip = 0
+
+    def start(self, sampled) -> PendingTokens:
+        """Enqueue the copies of `sampled` (a SamplerOutput) right behind the kernels that made it."""
+        if not self.cuda:
+            return PendingTokens(sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+        n = sampled.token_ids.shape[0]
+        buf = self._buffers[self._flip][:n]
+        self._flip ^= 1
+        buf.copy_(sampled.token_ids, non_blocking=True)
+
+        def host(t):   # rare (logprobs asked): a fresh pinned tensor, same ordering guarantee
+            return None if t is None else t.to("cpu", non_blocking=True)
+        pending = PendingTokens(buf, host(sampled.logprobs), host(sampled.top_ids), host(sampled.top_logprobs),
+                                torch.cuda.Event())
+        pending.event.record()
+        return pending
+
+    @staticmethod
+    def wait(pending: PendingTokens) -> list[int]:
+        """Block until this step's values are on the host (not any later step); its token ids."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return pending.token_ids.tolist()
