@@ -9,23 +9,21 @@ backend) comes from the forward context.
 see it, so identical layers compile to identical pieces and share code.
 """
 
-import torch
-
 from pcg_engine.attention.context import get_forward_context
+from pcg_engine.custom_ops import pcg_op
 
 SPLITTING_OPS = ["pcg::attention"]
 
 
-@torch.library.custom_op("pcg::attention", mutates_args=("out",))
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-              out: torch.Tensor, layer_idx: int) -> None:
+def _no_output(q, k, v, positions, out, layer_idx) -> None:
+    return None
+
+
+@pcg_op("attention(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor(a!) out, int layer_idx) -> ()",
+        fake=_no_output)
+def attention(q, k, v, positions, out, layer_idx):
     context = get_forward_context()
     if context.metadata is None:  # a profiling or warm-up run with no requests
         out.zero_()
         return
     context.backend.forward(q, k, v, positions, out, context.kv_caches[layer_idx], context.metadata)
-
-
-@attention.register_fake
-def _(q, k, v, positions, out, layer_idx) -> None:
-    return None

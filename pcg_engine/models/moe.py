@@ -10,18 +10,14 @@ a custom op: Dynamo keeps it as one opaque node instead of breaking the graph at
 import torch
 from torch import nn
 
+from pcg_engine.custom_ops import pcg_op
 from pcg_engine.kernels.fused_moe import fused_moe_ref
 
 
-@torch.library.custom_op("pcg::moe_experts_ref", mutates_args=())
-def moe_experts_ref(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+@pcg_op("moe_experts_ref(Tensor h, Tensor w13, Tensor w2, Tensor weights, Tensor ids) -> Tensor",
+        fake=lambda h, w13, w2, weights, ids: torch.empty_like(h))
+def moe_experts_ref(h, w13, w2, weights, ids):
     return fused_moe_ref(h, w13, w2, weights, ids)
-
-
-@moe_experts_ref.register_fake
-def _(h, w13, w2, weights, ids):
-    return torch.empty_like(h)
 
 
 class SparseMoE(nn.Module):
