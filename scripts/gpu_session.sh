@@ -2,6 +2,9 @@
 # GPU measurements and gpu-marked tests, by part; one device call runs several parts in order, each
 # under its own timeout so that the whole call stays inside the device's 10-minute limit.
 #   bash scripts/gpu_session.sh graphs p1 tests     # parts run in the order given
+# On a two-GPU machine two lists can run side by side, each on its own GPU, models and caches:
+#   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash scripts/gpu_session.sh ... & \
+#   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b M=/tmp/mb HOME=/tmp/hb TORCHINDUCTOR_CACHE_DIR=/tmp/ib bash scripts/gpu_session.sh ...
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, ttft (issue 5's 1/8/32 x 512),
 # p4 (host overhead), overhead (the overhead table), profile, kernels.
@@ -11,7 +14,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PCG_COMMIT=${PCG_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B="python3 -m pcg_engine.cli bench"
 T="python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu"
-M=/tmp/models; mkdir -p $M
+M=${M:-/tmp/models}; mkdir -p $M
 model() {  # build a preset once on the GPU (random weights at the published shapes)
   [ -f $M/$1/config.json ] || python3 -m pcg_engine.cli make-model --preset $1 --out $M/$1 --device cuda >/dev/null
   echo $M/$1
@@ -23,7 +26,7 @@ part() {
     graphs) timeout $(lim 250) $T tests/compile ${GRAPHS_K:+-k "$GRAPHS_K"} 2>&1 | tee $OUT/gpu_graphs.log | tail -25 ;;
     tests) timeout $(lim 130) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
     p1) timeout $(lim 180) $B latency --model $(model qwen3-0.6b) --modes eager,full_decode,piecewise,full_and_piecewise \
-          --num-iters 3 --warmup-iters 1 --json $OUT/p1_q06.json 2>&1 | tail -12 ;;
+          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06.json 2>&1 | tail -12 ;;
     p5) timeout $(lim 150) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json 2>&1 | tail -8 ;;
     load8b) timeout $(lim 90) $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
     p1_8b) timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise --num-iters 2 \
