@@ -50,6 +50,7 @@ class EngineConfig:
     compile_cache: bool = True
     compile_cache_dir: str | None = None
     show_progress: bool = False
+    kernel_warmup: bool | None = None    # compile every Triton kernel variant at start-up (None: on CUDA)
 
     def __post_init__(self):
         def check(name, ok, allowed):
@@ -72,6 +73,8 @@ class EngineConfig:
               "auto, bfloat16, float16, float32")
         check("max_capture_tokens", isinstance(self.max_capture_tokens, int) and self.max_capture_tokens >= 1,
               "an int >= 1")
+        check("kernel_warmup", self.kernel_warmup is None or isinstance(self.kernel_warmup, bool),
+              "None, True or False")
         for name in ("cudagraph_buckets", "decode_buckets"):
             value = getattr(self, name)
             check(name, value is None or (len(value) > 0 and all(isinstance(b, int) and b >= 1 for b in value)),

@@ -17,6 +17,9 @@ class AttentionBackend:
     # True when forward() reads no host value that changes from step to step within a bucket and
     # never syncs with the host, so it can be captured inside a full CUDA graph.
     cuda_graph_safe = False
+    # True when forward() launches JIT-compiled kernels whose variants depend on the step's host
+    # values; the start-up warm-up (engine/warmup.py) then runs one step per kernel_variant.
+    jit_compiled = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  cos_sin: torch.Tensor, scale: float | None = None):
@@ -27,6 +30,11 @@ class AttentionBackend:
 
     def forward(self, q, k, v, positions, out, kv_cache, meta: AttentionMetadata) -> None:
         raise NotImplementedError
+
+    def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True):
+        """What forward() compiles for a step with meta's host values (equal values: nothing new to
+        compile); None for a backend that compiles nothing. split_kv=False: a graph-captured step."""
+        return None
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):

@@ -20,12 +20,23 @@ results (normalized output + log2-sum-exp) are merged by a second small kernel. 
 graph-safe for any fixed num_splits; the caller chooses num_splits from host values
 (choose_num_splits), which is why the backend only splits when it is told it is not capturing.
 
+Compiled variants: Triton compiles one binary per distinct set of constexprs and per
+specialisation class of each integer argument (equal to 1, divisible by 16, other). Every such
+variant a step meets for the first time costs a JIT compile (~0.1-1 s) in the middle of serving,
+so the per-step values stay out of the key: the split count is a runtime argument (only whether
+the step splits, and the merge's power-of-two pad, are constexprs), T, num_reqs and num_splits are
+not specialised, and the partial buffers' token dimension is rounded up to 16 so their strides
+keep one class. What is left, `kernel_variant`, is a handful of tuples that engine/warmup.py
+compiles at start-up.
+
 Contract (torch_backend.paged_attention_reference): causal within the chunk, request r's queries
 are the last n of its seq_len positions; seq_len 0 -> zeros; query_start_loc[0] == 0.
 """
 
+import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -85,16 +96,18 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, tile_lo, tile
     return acc, m_i, l_i
 
 
-@triton.jit
+# Per-step integers: specialising on them would buy nothing (they bound loops and masks) and would
+# multiply the compiled variants by three each (see the module docstring).
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits"])
 def _unified_attention_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, part_out_ptr, part_lse_ptr,
-    num_tokens, num_reqs, qk_scale,
+    num_tokens, num_reqs, num_splits, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_tok, stride_c_h, stride_bt,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, SEARCH: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, SEARCH: tl.constexpr,
     DECODE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -148,8 +161,8 @@ def _unified_attention_kernel(
     full_end = tl.maximum(tl.minimum(context + j * BLOCK_Q + 1, kv_end), 0)
     num_tiles = tl.cdiv(kv_end, TILE_N)
     num_full = full_end // TILE_N
-    if NUM_SPLITS > 1:  # equal shares of this request's tiles, decided on the device
-        per = tl.cdiv(num_tiles, NUM_SPLITS)
+    if SPLIT:  # num_splits equal shares of this request's tiles, decided on the device
+        per = tl.cdiv(num_tiles, num_splits)
         t_lo = split * per
         t_hi = tl.minimum(t_lo + per, num_tiles)
     else:
@@ -173,7 +186,7 @@ def _unified_attention_kernel(
 
     # l == 0: no key at all (seq_len 0, padding rows, an empty split) -> zeros, not 0/0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if NUM_SPLITS > 1:
+    if SPLIT:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         prow = split * stride_ps + tok * stride_pt + head * stride_ph
         tl.store(part_out_ptr + prow[:, None] + d[None, :], o, mask=row_ok[:, None])
@@ -183,39 +196,50 @@ def _unified_attention_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr,
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
                          stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h, mask=s < NUM_SPLITS,
+    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h, mask=s < num_splits,
                   other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty -> weights 0, output 0
     w = tl.exp2(lse - m)
     o = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
-                mask=(s < NUM_SPLITS)[:, None], other=0.0)
+                mask=(s < num_splits)[:, None], other=0.0)
     w_sum = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
 
 
+# Host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr functions that cost
+# ~5 us a call, and this file's launch path ran about eight of them per layer per eager step.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _tile_config(head_dim: int, group: int, max_query_len: int):
     """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages) from host values fixed per bucket."""
-    group_pad = triton.next_power_of_2(group)
+    group_pad = _next_pow2(group)
     if max_query_len <= 1:  # decode: the GQA group is the M dim, padded to tl.dot's minimum 16
         block_m = max(16, group_pad)
         tile_n = 64 if head_dim <= 128 else 32
         return block_m, block_m // group_pad, tile_n, 4, 2
     cap = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
-    block_m = max(group_pad, min(cap, max(16, triton.next_power_of_2(max_query_len) * group_pad)))
+    block_m = max(group_pad, min(cap, max(16, _next_pow2(max_query_len) * group_pad)))
     tile_n = 64 if head_dim <= 128 else 32
     return block_m, block_m // group_pad, tile_n, 4, 2
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -231,9 +255,38 @@ def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_hea
     target = 2 * _num_sms(device)
     if busy >= target // 2:
         return 1
-    tiles = triton.cdiv(max_seq_len, tile_n)
-    splits = min(triton.cdiv(target, max(busy, 1)), tiles // 2, MAX_SPLITS)  # >= 2 tiles a split
+    tiles = _cdiv(max_seq_len, tile_n)
+    splits = min(_cdiv(target, max(busy, 1)), tiles // 2, MAX_SPLITS)  # >= 2 tiles a split
     return max(1, splits)
+
+
+class KernelVariant(NamedTuple):
+    """The host-side choices of one unified_attention call that select compiled binaries; with the
+    model's shapes and dtype fixed, two calls with equal variants run the same binaries."""
+
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    decode: bool       # max_query_len <= 1: the search-free grid
+    split: bool        # num_splits > 1: partial results and the merge kernel
+    splits_pad: int    # the merge kernel's power-of-two pad of num_splits (0 without split)
+
+
+def kernel_variant(num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
+                   num_splits: int) -> KernelVariant:
+    """What unified_attention compiles for these host values (it launches from this very tuple,
+    so the warm-up that enumerates it cannot drift from the kernel)."""
+    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(head_dim, num_heads // num_kv_heads,
+                                                                   max_query_len)
+    splits = _clamp_splits(num_splits)
+    return KernelVariant(block_m, block_q, tile_n, num_warps, num_stages, max_query_len <= 1, splits > 1,
+                         _next_pow2(splits) if splits > 1 else 0)
+
+
+def _clamp_splits(num_splits: int) -> int:
+    return max(1, min(int(num_splits), MAX_SPLITS))
 
 
 def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
@@ -252,33 +305,36 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         out.zero_()
         return
     group = num_heads // num_kv_heads
-    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(head_dim, group, max_query_len)
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
-    decode = max_query_len <= 1  # grid: R request programs, then the padding-row programs
-    grid = (triton.cdiv(T, block_q) + num_reqs + (0 if decode else 1), num_kv_heads, num_splits)
-    if num_splits > 1:
-        part_out = torch.empty((num_splits, T, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, T, num_heads), dtype=torch.float32, device=q.device)
+    v = kernel_variant(num_heads, num_kv_heads, head_dim, max_query_len, num_splits)
+    num_splits = _clamp_splits(num_splits)
+    # grid: decode has R request programs, then the padding-row programs (module docstring)
+    grid = (_cdiv(T, v.block_q) + num_reqs + (0 if v.decode else 1), num_kv_heads, num_splits)
+    if v.split:
+        # Token dim rounded up to 16: the strides then stay divisible by 16 for every T, one
+        # specialisation class, so a new T never means a new compile.
+        t_pad = _cdiv(T, 16) * 16
+        part_out = torch.empty((num_splits, t_pad, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, t_pad, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
     _unified_attention_kernel[grid](
         q, kv_cache, out, query_start_loc, seq_lens, block_table, part_out, part_lse,
-        T, num_reqs, scale * math.log2(math.e),
+        T, num_reqs, num_splits, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=tile_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        IEEE=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16), SEARCH=SEARCH_BLOCK, DECODE=decode,
-        num_warps=num_warps, num_stages=num_stages,
+        GROUP=group, GROUP_PAD=_next_pow2(group), BLOCK_M=v.block_m, BLOCK_Q=v.block_q,
+        TILE_N=v.tile_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLIT=v.split,
+        IEEE=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16), SEARCH=SEARCH_BLOCK,
+        DECODE=v.decode, num_warps=v.num_warps, num_stages=v.num_stages,
     )
-    if num_splits > 1:
+    if v.split:
         _merge_splits_kernel[(T, num_heads)](
-            part_out, part_lse, out,
+            part_out, part_lse, out, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            SPLITS_PAD=v.splits_pad, HEAD_DIM=head_dim,
             num_warps=4 if head_dim >= 128 else 2,
         )
 

@@ -15,12 +15,13 @@ import torch
 from pcg_engine.attention.backend import AttentionBackend
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.attention.rope_kv import rope_and_write_kv
-from pcg_engine.attention.triton_attention import choose_num_splits, unified_attention
+from pcg_engine.attention.triton_attention import choose_num_splits, kernel_variant, unified_attention
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     cuda_graph_safe = True  # provided allow_split_kv is False while capturing
+    jit_compiled = True
 
     def __init__(self, *args, allow_split_kv: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
@@ -40,6 +41,11 @@ class TritonAttentionBackend(AttentionBackend):
             return 1
         return choose_num_splits(meta.num_tokens, meta.num_reqs, self.num_heads, self.num_kv_heads,
                                  self.head_dim, meta.max_query_len, meta.max_seq_len, self.cos_sin.device)
+
+    def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True):
+        # The fused RoPE + KV write has one variant per model (T sets only its grid).
+        splits = self.num_splits(meta) if split_kv else 1
+        return kernel_variant(self.num_heads, self.num_kv_heads, self.head_dim, meta.max_query_len, splits)
 
     def forward(self, q, k, v, positions, out, kv_cache, meta: AttentionMetadata) -> None:
         T = q.shape[0]

@@ -68,9 +68,9 @@ def main(argv=None) -> int:
     for name, r in (("cold", cold), ("warm", warm)):
         t = r["timings"]
         rows.append([name, r["ready_s"], t.get("imports_s"), t.get("device_init_s"), t.get("weight_load_s"), t.get("dynamo_s"), t.get("inductor_s"),
-                     t.get("capture_s"), t.get("graph_pool_mib")])
+                     t.get("capture_s"), t.get("warmup_s"), t.get("graph_pool_mib")])
     print_table(f"start-up ({cold['mode']})", ["run", "ready s", "imports s", "CUDA init s", "weights s", "dynamo s", "inductor s",
-                                                "capture s", "graph pool MiB"], rows)
+                                                "capture s", "warm-up s", "graph pool MiB"], rows)
     if args.json:
         write_json(args.json, {"cold": cold, "warm": warm, "config": config, **env_record(model, args.device)})
     return 0

@@ -11,6 +11,9 @@ that sample:
   full_decode         decode-only steps replay one graph of the whole forward per batch bucket;
                       other steps run eagerly
   full_and_piecewise  full graphs for decode-only steps, piecewise for the rest (the CUDA default)
+
+After the mode's set-up the runner warms up the kernels (engine/warmup.py, on by default on CUDA):
+dummy steps that compile every Triton variant the steps can select, so none compiles mid-serving.
 """
 
 import time
@@ -70,6 +73,7 @@ class ModelRunner:
         self.token_buckets: list[int] = []
         self.full_graphs = None
         self._setup_mode(progress)
+        self._warm_up(progress)
 
     def close(self) -> None:
         """Release the device memory this runner holds (KV cache, graphs and their pool, compiled
@@ -118,6 +122,17 @@ class ModelRunner:
             return
         from pcg_engine.compile.setup import setup_compiled_modes
         setup_compiled_modes(self, progress)
+
+    def _warm_up(self, progress):
+        """Compile every kernel variant now rather than in the middle of the first steps (see
+        engine/warmup.py). After the mode's set-up, so the dummy steps take the path real ones will;
+        off by default on the CPU, where the torch backend compiles nothing."""
+        enabled = self.config.kernel_warmup
+        if not (self.device.type == "cuda" if enabled is None else enabled):
+            return
+        from pcg_engine.engine.warmup import has_jit_kernels, warm_up
+        if has_jit_kernels(self):
+            warm_up(self, progress)
 
     # ---- one step ----------------------------------------------------------------------------
     def context(self, inputs: StepInputs) -> ForwardContext:
