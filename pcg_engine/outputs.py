@@ -33,25 +33,38 @@ class RequestOutput:
     token: {"token": id, "logprob": x, "top": [(id, x), ...]}), prompt, error.
     """
 
-    __slots__ = ("request_id", "prompt_token_ids", "text", "finished", "finish_reason", "stop_reason",
-                 "new_token_ids", "new_text", "logprobs", "prompt", "error",
-                 "_request", "_end", "_token_ids", "_metrics")
+    __slots__ = ("text", "finished", "new_token_ids", "new_text", "logprobs", "_request", "_end", "_token_ids",
+                 "_metrics")
+    prompt = None     # set by front ends that keep the prompt text; the engine works on token ids
+    error = None
 
     def __init__(self, request, end: int, text: str, finished: bool, new_token_ids: list[int],
                  new_text: str = "", logprobs: list[dict] | None = None):
-        self.request_id = request.request_id
-        self.prompt_token_ids = request.prompt_token_ids
         self.text, self.finished = text, finished
-        self.finish_reason, self.stop_reason = request.finish_reason, request.stop_reason
         self.new_token_ids, self.new_text, self.logprobs = new_token_ids, new_text, logprobs
-        self.prompt = self.error = None
         self._request, self._end = request, end
         self._token_ids = self._metrics = None
 
     @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._request.prompt_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._request.finish_reason if self.finished else None
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self._request.stop_reason if self.finished else None
+
+    @property
     def token_ids(self) -> list[int]:
         if self._token_ids is None:
-            self._token_ids = self._request.token_ids[len(self.prompt_token_ids):self._end]
+            self._token_ids = self._request.token_ids[len(self._request.prompt_token_ids):self._end]
         return self._token_ids
 
     @token_ids.setter

@@ -6,7 +6,7 @@ lists, and turns each list into a fresh device tensor. Nothing survives between 
 references to each request's live block list (what the block manager hands out anyway) and, for
 async scheduling, where each request's token sits in the previous step's output.
 
-It has the same interface as InputBatch (add/remove/update/set_token/prepare), so the host-overhead
+It has the same interface as InputBatch (add/remove/update/set_token and the per-step sync_rows/write_placeholders/set_tokens, prepare), so the host-overhead
 harness can swap it into a running engine and time both under the same scheduler and bookkeeping.
 """
 
@@ -47,6 +47,16 @@ class RebuildBatch:
 
     def set_token(self, request_id: str, index: int, token: int) -> None:
         pass                                   # tokens are read from the request every step
+
+    def sync_rows(self, scheduled, block_table) -> None:
+        for request, _ in scheduled:
+            self.tables[request.request_id] = block_table(request.request_id)
+
+    def write_placeholders(self, slots) -> None:
+        pass
+
+    def set_tokens(self, resolved) -> None:
+        pass
 
     # ---- one step, rebuilt from scratch ------------------------------------------------------
     def prepare(self, scheduled, pad_tokens_to=None, pad_reqs_to=None, previous_tokens=None) -> StepInputs:

@@ -114,9 +114,44 @@ class InputBatch:
 
     def set_token(self, request_id: str, index: int, token: int) -> None:
         """A placeholder resolved on the host: record its real value in the row."""
-        row = self.row_of.get(request_id)
-        if row is not None and index < self.num_written[row]:
-            self.token_ids[row, index] = token
+        self.set_tokens([(request_id, index, token)])
+
+    # The three calls below run once per step over all of its requests (at batch 256, 256 rows):
+    # one call each, with the per-row work inline, rather than a method call per request.
+    def sync_rows(self, scheduled, block_table) -> None:
+        """Bring each scheduled request's row up to date (tokens, appended blocks). Usually
+        nothing changed since the last step: a decode's token is in the row already and its
+        block still has room."""
+        row_of, num_written, num_blocks = self.row_of, self.num_written, self.num_blocks
+        for request, _ in scheduled:
+            row = row_of[request.request_id]
+            table = block_table(request.request_id)
+            if len(table) != num_blocks[row] or len(request.token_ids) != num_written[row]:
+                self.update(request, table)
+
+    def write_placeholders(self, slots) -> None:
+        """slots: (request, index) of the PLACEHOLDERs just appended; the rows learn of them (-1)."""
+        row_of, num_written, token_ids = self.row_of, self.num_written, self.token_ids
+        for request, n in slots:
+            row = row_of[request.request_id]
+            if num_written[row] == n:
+                token_ids[row, n] = PLACEHOLDER
+                num_written[row] = n + 1
+            else:
+                self.update(request)
+
+    def set_tokens(self, resolved) -> None:
+        """resolved: (request_id, index, token) of placeholders resolved on the host; one numpy write."""
+        row_of, num_written = self.row_of, self.num_written
+        rows, cols, vals = [], [], []
+        for rid, index, token in resolved:
+            row = row_of.get(rid)
+            if row is not None and index < num_written[row]:
+                rows.append(row)
+                cols.append(index)
+                vals.append(token)
+        if rows:
+            self.token_ids[rows, cols] = vals
 
     # ---- one step ---------------------------------------------------------------------------
     def prepare(self, scheduled, pad_tokens_to: int | None = None, pad_reqs_to: int | None = None,

@@ -189,12 +189,10 @@ class LLMEngine:
         self.stats.preemptions += len(plan.preempted)
         for victim in plan.preempted:
             self._release_row(victim)
-        row_of, num_written, num_blocks = batch.row_of, batch.num_written, batch.num_blocks
-        block_table = self.block_manager.block_table
+        row_of = batch.row_of
         for request, _ in plan.scheduled:
             rid = request.request_id
-            row = row_of.get(rid)
-            if row is None:
+            if rid not in row_of:
                 row = batch.add(request)
                 p = request.sampling_params
                 outputs = [t for t in request.output_token_ids if t != PLACEHOLDER]
@@ -203,11 +201,7 @@ class LLMEngine:
                     None if p.ignore_eos else sorted(self.eos_token_ids))])
                 if not _plain_greedy(p):
                     self._full_sampler_rows.add(row)
-            table = block_table(rid)
-            # Usually nothing changed since the last step (a decode's block has room, its token is
-            # in the row already): skip the call.
-            if len(table) != num_blocks[row] or len(request.token_ids) != num_written[row]:
-                batch.update(request, table)
+        batch.sync_rows(plan.scheduled, self.block_manager.block_table)
         previous = self.inflight.sampled.token_ids if self.inflight is not None else None
         logits, inputs = self.runner.execute(plan.scheduled, previous_tokens=previous)
         self.scheduler.update_after_step(plan.scheduled)
@@ -218,19 +212,12 @@ class LLMEngine:
         else:
             sampled = SamplerOutput(token_ids=logits.argmax(dim=-1))
         slots = []
-        token_rows = batch.token_ids
         for request in inputs.sample_rows:
             tokens = request.token_ids
-            n = len(tokens)
-            slots.append((request, n))
+            slots.append((request, len(tokens)))
             tokens.append(PLACEHOLDER)            # Request.append_output, inlined: runs per request per step
             request.num_placeholders += 1
-            row = row_of[request.request_id]
-            if num_written[row] == n:             # the row learns of the placeholder (-1) too
-                token_rows[row, n] = PLACEHOLDER
-                num_written[row] = n + 1
-            else:
-                batch.update(request)
+        batch.write_placeholders(slots)
         self.stats.steps += 1
         return Inflight(sampled, self.readback.start(sampled), slots)
 
@@ -241,15 +228,13 @@ class LLMEngine:
         lps = self._logprob_lists(inflight.pending)
         now = time.monotonic()
         outputs = []
-        batch = self.runner.batch
-        row_of, num_written = batch.row_of, batch.num_written
-        rows, cols, vals = [], [], []          # resolved tokens, written into the rows in one go
+        resolved = []                          # (request id, index, token): into the rows in one go
         cache_full_blocks, bs = self.block_manager.cache_full_blocks, self.block_manager.block_size
         detokenizers, logprobs = self.detokenizers, self.logprobs
         generated = 0
         # This loop runs for every request every step (256 times a step at batch 256): plain
         # attribute reads, bound methods hoisted above, the common case (no text, no logprobs,
-        # not stopping) without a call, and the rows' numpy writes batched after the loop.
+        # not stopping) without a call, and the rows' writes batched after the loop.
         for i, ((request, index), token) in enumerate(zip(inflight.slots, values)):
             tokens = request.token_ids
             if ((request.status is not _RUNNING and request.is_finished)
@@ -258,11 +243,7 @@ class LLMEngine:
             tokens[index] = token
             request.num_placeholders -= 1
             rid = request.request_id
-            row = row_of.get(rid)
-            if row is not None and index < num_written[row]:
-                rows.append(row)
-                cols.append(index)
-                vals.append(token)
+            resolved.append((rid, index, token))
             generated += 1
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -287,8 +268,7 @@ class LLMEngine:
             else:
                 cache_full_blocks(request)
             outputs.append(self._output(request, [token], delta))
-        if rows:
-            batch.token_ids[rows, cols] = vals
+        self.runner.batch.set_tokens(resolved)
         self.stats.generated_tokens += generated
         return outputs
 

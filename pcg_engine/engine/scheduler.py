@@ -176,9 +176,22 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+        block_table, bs = blocks.block_table, blocks.block_size
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            # A decode (one token to compute) whose last block has room: the common case at large
+            # batch, handled inline without the helpers' calls.
+            if (len(request.token_ids) == computed + 1 and not request.num_placeholders
+                    and computed + 1 <= len(block_table(request.request_id)) * bs):
+                out.scheduled.append((request, 1))
+                out.samples.append(True)
+                out.num_batched_tokens += 1
+                budget -= 1
+                i += 1
+                continue
+            num_new = self._num_new_tokens(request, computed, budget)
             if num_new == 0 or self._last_token_in_flight(request):
                 i += 1
                 continue
@@ -220,7 +233,11 @@ class Scheduler:
         """
         if isinstance(scheduled, SchedulerOutput):
             scheduled = scheduled.scheduled
-        cache_full_blocks = self.block_manager.cache_full_blocks
+        cache_full_blocks, bs = self.block_manager.cache_full_blocks, self.block_manager.block_size
         for request, num_new in scheduled:
-            request.num_computed_tokens += num_new
-            cache_full_blocks(request)
+            before = request.num_computed_tokens
+            request.num_computed_tokens = after = before + num_new
+            # Only a step that fills a block can publish one here (a block held back by a
+            # placeholder is published when the placeholder is resolved: LLMEngine._resolve).
+            if before // bs != after // bs:
+                cache_full_blocks(request)
