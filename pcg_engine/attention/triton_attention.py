@@ -242,8 +242,13 @@ def _tile_config(head_dim: int, group: int, max_query_len: int):
 @functools.lru_cache(maxsize=None)
 def _num_sms(device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:   # asked per layer per eager step: a property lookup is µs
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int,
@@ -383,7 +388,9 @@ def attention_bench_rows(device="cuda", dtype=torch.bfloat16):
 
     for batch, ctx, Hq, Hk in ((64, 2048, 16, 8), (64, 2048, 32, 8), (1, 8192, 16, 8), (1, 8192, 32, 8)):
         splits_auto = choose_num_splits(batch, batch, Hq, Hk, D, 1, ctx, torch.device(device))
-        for splits in sorted({1, splits_auto}):
+        # Batch 1 misses its target: sweep the split count around the heuristic's choice.
+        sweep = {splits_auto // 4, splits_auto // 2, MAX_SPLITS} if batch == 1 else set()
+        for splits in sorted({1, splits_auto} | {s for s in sweep if 1 < s <= MAX_SPLITS}):
             us = time_us(batch, ctx, 1, Hq, Hk, splits)
             nbytes = (2 * batch * ctx * Hk * D + 2 * batch * Hq * D) * (torch.finfo(dtype).bits // 8)
             rows.append((f"decode_attention splits={splits}", f"B{batch} ctx{ctx} Hq{Hq} Hk{Hk} D{D}", us,
