@@ -132,7 +132,12 @@ class ModelRunner:
             return
         from pcg_engine.engine.warmup import has_jit_kernels, warm_up
         if has_jit_kernels(self):
-            warm_up(self, progress)
+            try:
+                warm_up(self, progress)
+            except Exception as e:   # a serving engine still starts: the kernels compile on first use
+                import warnings
+                warnings.warn(f"kernel warm-up failed, kernels will compile on first use: {e!r}")
+                self.timings["warmup_failed"] = 1.0
 
     # ---- one step ----------------------------------------------------------------------------
     def context(self, inputs: StepInputs) -> ForwardContext:
