@@ -261,7 +261,9 @@ def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_hea
     if busy >= target // 2:
         return 1
     tiles = _cdiv(max_seq_len, tile_n)
-    splits = min(_cdiv(target, max(busy, 1)), tiles // 2, MAX_SPLITS)  # >= 2 tiles a split
+    # >= 4 tiles a split: with less, the merge kernel's launch (tens of µs of host time in an eager
+    # step, per layer) costs more than the parallelism gains; batch 1 starts splitting at 512 keys.
+    splits = min(_cdiv(target, max(busy, 1)), tiles // 4, MAX_SPLITS)
     return max(1, splits)
 
 
