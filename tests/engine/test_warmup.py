@@ -195,7 +195,7 @@ def test_warmup_touches_only_the_scratch_block(tiny_paths):
     if not _interpreting() and not torch.cuda.is_available():
         pytest.skip("needs Triton (interpreter or CUDA)")
     llm = make_llm(tiny_paths["tiny-qwen3"], mode="eager", attention_backend="triton", kernel_warmup=False,
-                   max_num_batched_tokens=8, max_num_seqs=4, max_model_len=256, num_kv_blocks=24,
+                   max_num_batched_tokens=8, max_num_seqs=4, max_model_len=512, num_kv_blocks=24,
                    enable_prefix_caching=False)
     prompts = random_prompts([3, 10], seed=2)   # with 8 tokens a step: prefill, mixed, decode steps
     greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, detokenize=False)
