@@ -24,7 +24,7 @@ lim() { local left=$((DEADLINE - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 
 part() {
   case "$1" in
     graphs) timeout $(lim 250) $T tests/compile ${GRAPHS_K:+-k "$GRAPHS_K"} 2>&1 | tee $OUT/gpu_graphs.log | tail -25 ;;
-    tests) timeout $(lim 130) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
+    tests) timeout $(lim 240) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
     p1) timeout $(lim 180) $B latency --model $(model qwen3-0.6b) --modes eager,full_decode,piecewise,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06.json 2>&1 | tail -12 ;;
     p5) timeout $(lim 150) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json 2>&1 | tail -8 ;;
