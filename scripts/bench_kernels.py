@@ -117,11 +117,30 @@ def moe_rows():
         floor = weight_bytes / COPY_GBPS / 1e3
         rows.append(row("fused_moe", f"{tokens} tok, E128 k8 2048/768 ({active} active)", us, weight_bytes,
                         "GB/s", f"{loop / us:.1f}x vs eager loop ({loop:.0f} us); {us / floor:.2f}x floor ({floor:.1f} us)"))
+        if tokens == 1:   # 2.07x the floor against a <= 2x target: sweep the 1-token tiles
+            rows += moe_tile_sweep(x, w13, w2, topk_weights, topk_ids, floor, us)
         block_m = moe_config(tokens, top_k, experts, inter, hidden, gated=True).block_m
         kernel_us = time_us(lambda: moe_align(topk_ids, experts, block_m))
         torch_us = time_us(lambda: moe_align_torch(topk_ids, experts, block_m))
         rows.append(row("moe_align", f"{tokens} tok x k8, E128, block_m {block_m}", kernel_us, None, "",
                         f"torch-ops version {torch_us:.1f} us"))
+    return rows
+
+
+def moe_tile_sweep(x, w13, w2, topk_weights, topk_ids, floor, table_us):
+    """The 1-token MoE with other tiles for both GEMMs (block_m stays 16: one alignment)."""
+    from pcg_engine.kernels.fused_moe import MoEConfig, fused_moe
+    rows = []
+    for bn_up, bn_down, bk, stages in ((16, 32, 128, 4), (16, 64, 256, 3), (32, 32, 128, 4), (32, 64, 256, 3),
+                                       (64, 128, 128, 3), (16, 16, 128, 4)):
+        configs = (MoEConfig(16, bn_up, bk, 4, stages), MoEConfig(16, bn_down, bk, 4, stages))
+        try:
+            us = time_us(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids, configs=configs))
+        except Exception as e:   # a tile that does not fit (shared memory) is a finding, not a crash
+            print(f"moe tiles {configs}: {e!r}")
+            continue
+        rows.append(row("fused_moe tiles", f"1 tok, up bn{bn_up} down bn{bn_down} bk{bk} st{stages}", us, None, "",
+                        f"{us / floor:.2f}x floor; table's tiles {table_us:.1f} us"))
     return rows
 
 

@@ -290,16 +290,25 @@ def _unit_stride_inner(t: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """x [N, D]; w13 [E, 2I, D] (rows :I gate, I: up); w2 [E, D, I]; topk_* [N, k] -> [N, D] in x.dtype."""
+              topk_ids: torch.Tensor, configs: tuple[MoEConfig, MoEConfig] | None = None) -> torch.Tensor:
+    """x [N, D]; w13 [E, 2I, D] (rows :I gate, I: up); w2 [E, D, I]; topk_* [N, k] -> [N, D] in x.dtype.
+
+    configs: (up, down) block sizes instead of the tuning table's (the kernel benchmark's sweep);
+    both must have the same block_m, since the two GEMMs share one alignment."""
     _check(x, w13, w2, topk_weights, topk_ids)
     n, top_k = topk_ids.shape
     e, two_i, d = w13.shape
     if n == 0:
         return x.new_empty((0, d))
     x, w13, w2 = _unit_stride_inner(x), _unit_stride_inner(w13), _unit_stride_inner(w2)
-    cfg_up = moe_config(n, top_k, e, two_i // 2, d, gated=True)
-    cfg_down = moe_config(n, top_k, e, d, two_i // 2, gated=False)  # same block_m: one alignment
+    if configs is None:
+        cfg_up = moe_config(n, top_k, e, two_i // 2, d, gated=True)
+        cfg_down = moe_config(n, top_k, e, d, two_i // 2, gated=False)  # same block_m: one alignment
+    else:
+        cfg_up, cfg_down = configs
+        if cfg_up.block_m != cfg_down.block_m:
+            raise ValueError(f"configs: block_m {cfg_up.block_m} and {cfg_down.block_m} differ; "
+                             "the two GEMMs share one alignment")
     align = moe_align(topk_ids, e, cfg_up.block_m)
     act = torch.empty((n * top_k, two_i // 2), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, act, align, None, top_k, True, True, cfg_up)

@@ -169,3 +169,16 @@ def test_gpu_cuda_graph_replay_with_new_routing(a3b_weights, rel_err):
         graph.replay()
         ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
         assert rel_err(out, ref) <= 1e-2
+
+
+def test_fused_moe_with_other_tiles_matches_the_loop(device):
+    """The benchmark's tile sweep passes configs: any tiles give the same result; block_m must agree."""
+    from pcg_engine.kernels.fused_moe import MoEConfig
+    x = torch.randn(3, 32, device=device)
+    w13, w2 = weights(6, 32, 16, device)
+    topk_weights, topk_ids = routing(3, 6, 2, device)
+    configs = (MoEConfig(16, 16, 16, 4, 2), MoEConfig(16, 32, 16, 4, 2))
+    got = fused_moe(x, w13, w2, topk_weights, topk_ids, configs=configs)
+    torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, topk_weights, topk_ids), **FP32)
+    with pytest.raises(ValueError, match="block_m"):
+        fused_moe(x, w13, w2, topk_weights, topk_ids, configs=(configs[0], MoEConfig(32, 16, 16, 4, 2)))
