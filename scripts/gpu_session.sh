@@ -6,7 +6,8 @@
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash scripts/gpu_session.sh ... & \
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b M=/tmp/mb HOME=/tmp/hb TORCHINDUCTOR_CACHE_DIR=/tmp/ib bash scripts/gpu_session.sh ...
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
-# modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, ttft (issue 5's 1/8/32 x 512),
+# modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
+# ttft (issue 5's 1/8/32 x 512),
 # p4 (host overhead), overhead (the overhead table), profile, kernels.
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
@@ -35,6 +36,11 @@ part() {
     p3) timeout $(lim 200) $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts 300 \
           --request-rate 20 --input-len 1024 --output-len 128 --goodput ttft:200 tpot:20 --no-progress \
           --json $OUT/p3_q06.json 2>&1 | tail -12 ;;
+    p3rates) for r in ${P3_RATES:-30 40 50}; do   # P3's overload point: where full_decode's p99 TTFT passes 500 ms
+            timeout $(lim 120) $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
+              --num-prompts 300 --request-rate $r --input-len 1024 --output-len 128 --goodput ttft:200 tpot:20 \
+              --no-progress --json $OUT/p3_rate$r.json 2>&1 | grep -E "ttft p99|goodput|mode"
+          done ;;
     ttft) for n in 1 8 32; do   # issue 5's P3: TTFT of n concurrent 512-token prompts
             timeout $(lim 60) $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts $n \
               --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
