@@ -177,14 +177,19 @@ class Scheduler:
 
         i = 0
         block_table, bs = blocks.block_table, blocks.block_size
-        running = self.running
+        running, max_model_len = self.running, cfg.max_model_len
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
             # A decode (one token to compute) whose last block has room: the common case at large
-            # batch, handled inline without the helpers' calls.
-            if (len(request.token_ids) == computed + 1 and not request.num_placeholders
-                    and computed + 1 <= len(block_table(request.request_id)) * bs):
+            # batch, handled inline without the helpers' calls. With async scheduling its one
+            # token is usually the placeholder of the step in flight.
+            n = len(request.token_ids)
+            if n == computed + 1 and n <= len(block_table(request.request_id)) * bs:
+                if request.num_placeholders and (n - len(request.prompt_token_ids) >= request.sampling_params.max_tokens
+                                                 or n >= max_model_len):
+                    i += 1               # its last allowed token is in flight: nothing to compute
+                    continue
                 out.scheduled.append((request, 1))
                 out.samples.append(True)
                 out.num_batched_tokens += 1
