@@ -45,7 +45,8 @@ class Attention(nn.Module):
         # Per-head RMSNorm: normalise each head_dim slice (a view of [T * heads, head_dim]).
         q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
         k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
-        v = v.contiguous()
+        # v stays a strided view of the fused qkv output (its last dim is contiguous, which is all
+        # the backends need): a .contiguous() here was one copy kernel per layer per step.
         out = torch.empty_like(q)
         torch.ops.pcg.attention(q, k, v, positions, out, self.layer_idx)
         return self.o_proj(out)
