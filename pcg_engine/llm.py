@@ -35,7 +35,8 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+                # Without a callback only the final outputs are used: skip the per-step ones.
+                ids.append(self.engine.add_request(prompt, p, final_only=on_output is None))
         except Exception:
             # Never scheduled, so aborting frees them at once; drop their abort outputs rather
             # than stepping, which would run (and swallow the outputs of) other requests in flight.

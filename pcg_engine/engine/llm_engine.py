@@ -86,8 +86,11 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | dict | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
-        """Validate and queue a request. Raises InvalidRequestError (naming the field) and adds nothing."""
+                    prompt_token_ids: list[int] | None = None, final_only: bool = False) -> str:
+        """Validate and queue a request. Raises InvalidRequestError (naming the field) and adds nothing.
+
+        final_only: step() returns this request's output only when it finishes (a caller that
+        wants just the result, like LLM.generate without on_output, saves the per-step object)."""
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -116,6 +119,7 @@ class LLMEngine:
         request.stop_token_set = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         request.last_index = min(n + params.max_tokens, L) - 1
+        request.final_only = final_only
         self.scheduler.check_request(request)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -254,6 +258,8 @@ class LLMEngine:
                 # A block that this placeholder kept out of the prefix cache may be publishable.
                 if index // bs < request.num_computed_tokens // bs:
                     cache_full_blocks(request)
+                if request.final_only:
+                    continue
                 outputs.append(RequestOutput(request, len(tokens) - request.num_placeholders, "", False, [token],
                                              "", logprobs.get(rid)))
                 continue
@@ -267,6 +273,8 @@ class LLMEngine:
                 self._forget(request)
             else:
                 cache_full_blocks(request)
+                if request.final_only:
+                    continue
             outputs.append(self._output(request, [token], delta))
         self.runner.batch.set_tokens(resolved)
         self.stats.generated_tokens += generated

@@ -73,6 +73,7 @@ class Request:
         # the request (unless a stop string does, which the engine checks on its text path).
         self.stop_token_set: frozenset[int] = frozenset()
         self.last_index: int = 1 << 62
+        self.final_only = False          # outputs only when finished (LLMEngine.add_request)
 
     # Derived sizes -------------------------------------------------------------------------------
 

@@ -411,3 +411,22 @@ def test_close_releases_the_kv_cache_and_weights(dense_path):
         kv = weakref.ref(llm.engine.runner.kv_caches[0])
         weight = weakref.ref(next(llm.engine.runner.model.parameters()))
     assert kv() is None and weight() is None
+
+
+def test_final_only_requests_report_once_and_match(engines):
+    """generate without a callback asks for final outputs only: same results, one output each."""
+    llm = engines("tiny-qwen3")
+    prompts = [[5, 6, 7], [9] * 20, [11, 12]]
+    params = greedy(max_tokens=6)
+    seen = []
+    with_callback = llm.generate(prompts, params, on_output=seen.append)
+    assert len(seen) > len(prompts)                 # per-step outputs were delivered
+    plain = llm.generate(prompts, params)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in with_callback]
+    assert [o.finish_reason for o in plain] == ["length"] * 3
+    engine = llm.engine
+    ids = [engine.add_request(p, params, final_only=True) for p in prompts]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert sorted(o.request_id for o in outs) == sorted(ids) and all(o.finished for o in outs)
