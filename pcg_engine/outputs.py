@@ -67,10 +67,6 @@ class RequestOutput:
             self._token_ids = self._request.token_ids[len(self._request.prompt_token_ids):self._end]
         return self._token_ids
 
-    @token_ids.setter
-    def token_ids(self, value: list[int]) -> None:
-        self._token_ids = value
-
     @property
     def metrics(self) -> RequestMetrics:
         if self._metrics is None:

@@ -218,23 +218,23 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
 
 # Host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr functions that cost
 # ~5 us a call, and this file's launch path ran about eight of them per layer per eager step.
-def _cdiv(a: int, b: int) -> int:
+def host_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_pow2(n: int) -> int:
+def host_next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
 def _tile_config(head_dim: int, group: int, max_query_len: int):
     """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages) from host values fixed per bucket."""
-    group_pad = _next_pow2(group)
+    group_pad = host_next_pow2(group)
     if max_query_len <= 1:  # decode: the GQA group is the M dim, padded to tl.dot's minimum 16
         block_m = max(16, group_pad)
         tile_n = 64 if head_dim <= 128 else 32
         return block_m, block_m // group_pad, tile_n, 4, 2
     cap = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
-    block_m = max(group_pad, min(cap, max(16, _next_pow2(max_query_len) * group_pad)))
+    block_m = max(group_pad, min(cap, max(16, host_next_pow2(max_query_len) * group_pad)))
     tile_n = 64 if head_dim <= 128 else 32
     return block_m, block_m // group_pad, tile_n, 4, 2
 
@@ -258,7 +258,7 @@ def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_hea
     block_m, block_q, tile_n, _, _ = _tile_config(head_dim, num_heads // num_kv_heads, max_query_len)
     busy = min(num_reqs + num_tokens // block_q, num_tokens) * num_kv_heads  # programs with work
     sms = _num_sms(device)
-    tiles = _cdiv(max_seq_len, tile_n)
+    tiles = host_cdiv(max_seq_len, tile_n)
     # Split only when the GPU would be under-filled, and only with 8+ key tiles: below that the
     # merge kernel's launch (tens of µs of host time in an eager step, per layer) costs more than
     # the parallelism gains, so batch 1 starts splitting at 512 keys.
@@ -266,7 +266,7 @@ def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_hea
         return 1
     # Then aim at ~4 programs per SM, >= 2 tiles a split. Measured on the H200 at batch 1 x 8192
     # keys (Hq 16, Hk 8): 8 / 16 / 32 / 64 splits ran 37.7 / 25.1 / 20.7 / 17.1 µs.
-    splits = min(_cdiv(4 * sms, max(busy, 1)), tiles // 2, MAX_SPLITS)
+    splits = min(host_cdiv(4 * sms, max(busy, 1)), tiles // 2, MAX_SPLITS)
     return max(1, splits)
 
 
@@ -292,7 +292,7 @@ def kernel_variant(num_heads: int, num_kv_heads: int, head_dim: int, max_query_l
                                                                    max_query_len)
     splits = _clamp_splits(num_splits)
     return KernelVariant(block_m, block_q, tile_n, num_warps, num_stages, max_query_len <= 1, splits > 1,
-                         _next_pow2(splits) if splits > 1 else 0)
+                         host_next_pow2(splits) if splits > 1 else 0)
 
 
 def _clamp_splits(num_splits: int) -> int:
@@ -318,11 +318,11 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
     v = kernel_variant(num_heads, num_kv_heads, head_dim, max_query_len, num_splits)
     num_splits = _clamp_splits(num_splits)
     # grid: decode has R request programs, then the padding-row programs (module docstring)
-    grid = (_cdiv(T, v.block_q) + num_reqs + (0 if v.decode else 1), num_kv_heads, num_splits)
+    grid = (host_cdiv(T, v.block_q) + num_reqs + (0 if v.decode else 1), num_kv_heads, num_splits)
     if v.split:
         # Token dim rounded up to 16: the strides then stay divisible by 16 for every T, one
         # specialisation class, so a new T never means a new compile.
-        t_pad = _cdiv(T, 16) * 16
+        t_pad = host_cdiv(T, 16) * 16
         part_out = torch.empty((num_splits, t_pad, num_heads, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_splits, t_pad, num_heads), dtype=torch.float32, device=q.device)
     else:
@@ -334,7 +334,7 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=_next_pow2(group), BLOCK_M=v.block_m, BLOCK_Q=v.block_q,
+        GROUP=group, GROUP_PAD=host_next_pow2(group), BLOCK_M=v.block_m, BLOCK_Q=v.block_q,
         TILE_N=v.tile_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLIT=v.split,
         IEEE=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16), SEARCH=SEARCH_BLOCK,
         DECODE=v.decode, num_warps=v.num_warps, num_stages=v.num_stages,

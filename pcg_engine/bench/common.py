@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -110,7 +109,7 @@ def run_each_mode(args, model: str, run_mode, describe: str) -> dict:
         llm = build_llm(model, **engine_kwargs(args), **mode_kw)
         with console.status(f"{name}: {describe}"):
             results[name] = run_mode(llm, args)
-        free_llm(llm)
+        llm.close()   # its KV cache must not count against the next mode's
         del llm
     return results
 
@@ -123,13 +122,6 @@ def write_mode_results(args, model: str, benchmark: str, results: dict) -> None:
     if len(results) > 1:
         payload["modes"] = results
     write_json(args.json, payload)
-
-
-def free_llm(llm) -> None:
-    """Release an engine's KV cache, graphs and weights before the next mode is built (the
-    caller's own reference to the LLM object no longer pins device memory)."""
-    llm.close()
-    gc.collect()
 
 
 def engine_config(llm) -> dict:

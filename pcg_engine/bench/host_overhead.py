@@ -97,7 +97,7 @@ def run_host_only(args, console) -> dict:
             seed = args.seed + 1 + 2 * i + j
             with console.status(f"{impl} at {n} running requests"):
                 rows.append(measure(llm, impl, n, args.host_steps, args.prompt_len, args.warm_steps, seed))
-    common.free_llm(llm)
+    llm.close()
     by = {(r["impl"], r["running"]): r for r in rows}
     summary = []
     for n in sizes:

@@ -68,7 +68,6 @@ def main(argv=None) -> int:
     done = threading.Event()
 
     def sample():
-        nonlocal peak
         while not done.is_set():
             now = _rss_mib()
             peak[0], peak[1] = max(peak[0], now[0]), max(peak[1], now[1])

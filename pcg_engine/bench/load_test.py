@@ -203,7 +203,7 @@ def main(argv=None) -> int:
                 best, trials = sweep_rates(run_at, start,
                     lambda res: passes(res, args.sweep_attainment), bisect_steps=args.sweep_bisect)
                 sweeps[name] = {"max_rate": best, "trials": [_trial_row(r, res) for r, res in trials]}
-        common.free_llm(llm)
+        llm.close()
         del llm
     headers, rows = table_rows(results)
     common.print_table(f"load test: {args.num_prompts} requests at {args.request_rate:g} req/s, "

@@ -91,7 +91,7 @@ def run_table(args, console) -> dict:
                 rng = np.random.default_rng(args.seed)
                 prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
             row, tokens = run_config(llm, prompts, args)
-            common.free_llm(llm)
+            llm.close()
             del llm
         if reference is None:
             reference = tokens

@@ -80,7 +80,7 @@ def profile_config(name: str, kw: dict, args, model: str, out_dir: Path, on_cuda
     while engine.has_unfinished_requests():
         engine.step()
     mode = engine.runner.mode
-    common.free_llm(llm)
+    llm.close()
     del llm, engine
     with open(trace_path, encoding="utf-8") as f:
         trace = json.load(f)

@@ -115,10 +115,10 @@ class LLMEngine:
         request = Request(request_id, ids, params, arrival_time=arrival_time,
                           eos_token_id=min(self.eos_token_ids) if self.eos_token_ids else None)
         # What _check_stop can end the request on, for _resolve's quick test (a superset: it
-        # ignores min_tokens, so the full test still runs whenever one of these shows up).
+        # ignores min_tokens, so the full test still runs whenever one of these shows up). The
+        # length limit, request.last_index, is set by the scheduler when it takes the request.
         request.stop_token_set = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
-        request.last_index = min(n + params.max_tokens, L) - 1
         request.final_only = final_only
         self.scheduler.check_request(request)
         self.scheduler.add_request(request)

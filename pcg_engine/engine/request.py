@@ -68,9 +68,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None   # the stop token or string, when one stopped it
 
-        # Set by the engine when it accepts the request, for a quick conservative stop test in the
-        # per-step loop: a token outside stop_token_set at an index below last_index cannot end
-        # the request (unless a stop string does, which the engine checks on its text path).
+        # For quick tests in the per-step loops: a token outside stop_token_set (set by the engine)
+        # at an index below last_index (set by the scheduler: prompt + max_tokens, capped by
+        # max_model_len) cannot end the request, unless a stop string does, which the engine
+        # checks on its text path.
         self.stop_token_set: frozenset[int] = frozenset()
         self.last_index: int = 1 << 62
         self.final_only = False          # outputs only when finished (LLMEngine.add_request)

@@ -74,6 +74,9 @@ class Scheduler:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"{request.request_id!r}: only a new (WAITING) request can be added")
+        # The last index a token of this request may take: past it, nothing is ever scheduled.
+        request.last_index = min(len(request.prompt_token_ids) + request.sampling_params.max_tokens,
+                                 self.config.max_model_len) - 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -145,11 +148,7 @@ class Scheduler:
     # directly rather than through Request's size properties.
 
     def _last_token_in_flight(self, request: Request) -> bool:
-        if not request.num_placeholders:
-            return False
-        n = len(request.token_ids)
-        return (n - len(request.prompt_token_ids) >= request.sampling_params.max_tokens
-                or n >= self.config.max_model_len)
+        return bool(request.num_placeholders) and len(request.token_ids) > request.last_index
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         remaining = len(request.token_ids) - num_computed
@@ -177,7 +176,7 @@ class Scheduler:
 
         i = 0
         block_table, bs = blocks.block_table, blocks.block_size
-        running, max_model_len = self.running, cfg.max_model_len
+        running = self.running
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
@@ -186,8 +185,7 @@ class Scheduler:
             # token is usually the placeholder of the step in flight.
             n = len(request.token_ids)
             if n == computed + 1 and n <= len(block_table(request.request_id)) * bs:
-                if request.num_placeholders and (n - len(request.prompt_token_ids) >= request.sampling_params.max_tokens
-                                                 or n >= max_model_len):
+                if request.num_placeholders and n > request.last_index:
                     i += 1               # its last allowed token is in flight: nothing to compute
                     continue
                 out.scheduled.append((request, 1))

@@ -36,6 +36,7 @@ import torch
 
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.metadata import AttentionMetadata
+from pcg_engine.attention.triton_attention import host_cdiv
 from pcg_engine.kernels import activation, fused_moe, norm
 
 
@@ -51,10 +52,6 @@ class WarmupStep:
 
 
 # ---- what a step compiles ----------------------------------------------------------------------
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a constexpr function, ~5 us a call: too slow for the walk
-
 
 def int_class(x: int) -> str:
     """Triton's specialisation of an integer argument: 1 and multiples of 16 get variants of their own."""
@@ -95,7 +92,7 @@ def _moe_variant(T: int, top_k: int, experts: int, inter: int, hidden: int) -> t
     if c_pad * e_pad > fused_moe._ALIGN_KERNEL_MAX_HIST:
         align = "torch"
     else:
-        chunks = _cdiv(total, chunk)
+        chunks = host_cdiv(total, chunk)
         align = (e_pad, chunk, c_pad, chunks == 1, int_class(chunks),
                  int_class(fused_moe._align_shapes(total, experts, up.block_m)))
     return up, down, int_class(total), align
@@ -191,9 +188,9 @@ def candidate_steps(runner, sites: tuple, cache: dict | None = None):
     # Token variants: every token count, in as few requests as max_model_len allows (and one
     # token a request: decode batches).
     for T in range(1, max_tokens + 1):
-        R = _cdiv(T, max_len)
+        R = host_cdiv(T, max_len)
         if R <= max_reqs:
-            q = _cdiv(T, R)
+            q = host_cdiv(T, R)
             yield launch(runner, T, R, q, q)
         if T <= max_reqs:
             yield launch(runner, T, T, 1, 1)
@@ -203,7 +200,7 @@ def candidate_steps(runner, sites: tuple, cache: dict | None = None):
     for T in ladder(1, max_tokens):
         for R in ladder(1, min(max_reqs, T)):
             padding = runner.pick_padding(_scheduled(T, R))
-            lo, hi = _cdiv(T, R), T - R + 1    # max_query_len of R requests holding T tokens
+            lo, hi = host_cdiv(T, R), T - R + 1    # max_query_len of R requests holding T tokens
             for first, last in classes:
                 for q in {max(first, lo), min(last, hi)}:
                     if not (lo <= q <= hi and first <= q <= last and q <= max_len):
