@@ -8,7 +8,8 @@
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512),
-# p4 (host overhead), overhead (the overhead table), profile, kernels.
+# p4 (host overhead), overhead (the overhead table), profile, kernels, hostprof (scripts/host_profile.py
+# per mode of HOSTPROF_MODES at HOSTPROF_N requests).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PCG_COMMIT=${PCG_COMMIT:-unknown}
@@ -52,6 +53,10 @@ part() {
               --json $OUT/overhead$n.json 2>&1 | tail -12
           done ;;
     profile) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 256 --configs 'full graphs,full graphs + async' --out-dir $OUT/profile 2>&1 | tail -12 ;;
+    hostprof) for mo in ${HOSTPROF_MODES:-piecewise full_decode}; do   # cProfile + kernel list of batch-1 decode
+            timeout $(lim 120) python3 scripts/host_profile.py --model $(model qwen3-0.6b) --mode $mo --requests ${HOSTPROF_N:-1} \
+              --steps 50 > $OUT/hostprof_${mo}_${HOSTPROF_N:-1}.txt 2>&1; grep -A12 "===" $OUT/hostprof_${mo}_${HOSTPROF_N:-1}.txt | head -40
+          done ;;
     kernels) timeout $(lim 150) python3 scripts/bench_kernels.py --json $OUT/kernels.json 2>&1 | tail -30 ;;
     *) echo "unknown part: $1"; exit 2 ;;
   esac
@@ -62,6 +67,8 @@ for p in "${@:-graphs}"; do
 done
 # The device returns at most 8 files: pack everything into one archive (Chrome traces left out if
 # the archive would pass the 16 MiB limit).
-tar czf /tmp/results.tgz -C "$OUT" . && [ $(stat -c %s /tmp/results.tgz) -gt 15000000 ] && \
-  tar czf /tmp/results.tgz --exclude='trace_*' -C "$OUT" .
-rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT"/
+# One archive name per run: two runs side by side must not pack into the same file.
+TGZ=/tmp/results_$$.tgz
+tar czf $TGZ -C "$OUT" . && [ $(stat -c %s $TGZ) -gt 15000000 ] && \
+  tar czf $TGZ --exclude='trace_*' -C "$OUT" .
+rm -rf "${OUT:?}"/* && mv $TGZ "$OUT"/results.tgz
