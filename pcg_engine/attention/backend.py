@@ -6,10 +6,11 @@ from pcg_engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend:
-    """RoPE + paged-KV write + attention for one model's shapes.
+    """RoPE + paged-KV write, and attention, for one model's shapes: the two halves the custom ops
+    of op.py call (the write inside the compiled pieces, the attention between them).
 
-    q [T, Hq*D], k and v [T, Hk*D] (q and k already RMS-normed per head, not yet rotated);
-    kv_cache [2, num_blocks, block_size, Hk, D]; out [T, Hq*D] is written in place.
+    q [T, Hq, D], k and v [T, Hk, D] (q and k already RMS-normed per head, not yet rotated; last
+    dim contiguous, rows may be strided); kv_cache [2, num_blocks, block_size, Hk, D].
     Slot -1 writes go to the scratch block 0, which the block manager never hands out.
     """
 
@@ -28,7 +29,14 @@ class AttentionBackend:
         self.cos_sin = cos_sin
         self.scale = scale if scale is not None else head_dim ** -0.5
 
-    def forward(self, q, k, v, positions, out, kv_cache, meta: AttentionMetadata) -> None:
+    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping) -> torch.Tensor:
+        """Rotated k and v into kv_cache at slot_mapping [T]; returns rotated q as a new tensor.
+        Captured inside the piecewise graphs: it must read no per-step host value."""
+        raise NotImplementedError
+
+    def forward(self, q, out, kv_cache, meta: AttentionMetadata) -> None:
+        """Attention of rotated q [T, Hq, D] over kv_cache (this step's k, v already written) into
+        out [T, Hq, D], in place."""
         raise NotImplementedError
 
     def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True):

@@ -20,6 +20,8 @@ class AttentionMetadata:
       num_reqs, num_tokens (T, including padding), max_query_len, max_seq_len.
     Optional host copies (the torch reference backend loops over requests with them):
       query_start_loc_cpu, seq_lens_cpu.
+    Filled by the backend on the step's first attention call, for the other layers to reuse:
+      num_splits (Triton split-KV count: a function of host values that are the same for every layer).
     Rows of the output beyond query_start_loc[num_reqs] belong to no request and are zeroed.
     """
 
@@ -33,6 +35,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    num_splits: int | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -1,7 +1,9 @@
 """The torch reference backend: plain PyTorch, any device, the oracle for the Triton backend.
 
-It loops over requests on the host (reading query_start_loc_cpu / seq_lens_cpu), so it can never
-run inside a full CUDA graph; piecewise graphs are fine, since attention runs eagerly between pieces.
+Its attention loops over requests on the host (reading query_start_loc_cpu / seq_lens_cpu), so it
+can never run inside a full CUDA graph; piecewise graphs are fine, since attention runs eagerly
+between pieces. Its RoPE + KV write (apply_rope, write_kv) is plain tensor work that reads nothing
+from the host: op.py's rope_kv_write on the CPU, run from inside the compiled pieces.
 """
 
 import torch
@@ -53,15 +55,13 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     cuda_graph_safe = False
 
-    def forward(self, q, k, v, positions, out, kv_cache, meta) -> None:
-        T = q.shape[0]
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, positions, self.cos_sin)
-        k = apply_rope(k, positions, self.cos_sin)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping) -> torch.Tensor:
+        # Plain tensor ops reading nothing from the host, so this half is capturable too.
+        write_kv(apply_rope(k, positions, self.cos_sin), v, kv_cache, slot_mapping)
+        return apply_rope(q, positions, self.cos_sin)
+
+    def forward(self, q, out, kv_cache, meta) -> None:
         qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.cpu()
         lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.cpu()
         paged_attention_reference(q, kv_cache, qsl[: meta.num_reqs + 1], lens[: meta.num_reqs],
-                                  meta.block_table, self.scale, out.view(T, self.num_heads, self.head_dim))
+                                  meta.block_table, self.scale, out)

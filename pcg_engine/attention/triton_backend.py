@@ -1,11 +1,15 @@
-"""The Triton attention backend: fused RoPE + KV write, then one unified paged-attention kernel.
+"""The Triton attention backend: fused RoPE + KV write (rope_kv.py), one unified paged-attention kernel.
 
 Graph safety: both launches take their grids from T, num_reqs, max_query_len and tensor shapes
 (bucket values) and read seq_lens / query_start_loc / block_table only on the device, so a
 forward can be captured in a full CUDA graph and replayed with new contents of the same buffers.
 The one exception is split-KV, whose split count uses max_seq_len (a per-step host value): the
 graph runner sets `allow_split_kv = False` around capture (or uses `capturing()`), and eager
-steps with small batches and long contexts get it back.
+steps with small batches and long contexts get it back. The count is stored in the step's metadata
+by its first attention call (a metadata object lives for one step, under one setting of the flag).
+
+In piecewise mode the RoPE + KV write runs inside the pieces' graphs (attention/op.py); only
+forward() runs between pieces, once per layer.
 """
 
 from contextlib import contextmanager
@@ -47,16 +51,18 @@ class TritonAttentionBackend(AttentionBackend):
         splits = self.num_splits(meta) if split_kv else 1
         return kernel_variant(self.num_heads, self.num_kv_heads, self.head_dim, meta.max_query_len, splits)
 
-    def forward(self, q, k, v, positions, out, kv_cache, meta: AttentionMetadata) -> None:
-        T = q.shape[0]
-        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = q.view(T, H, D)
-        # The rotated q goes into `out` itself: the program that writes a row's output is the one
-        # that read that row's q (split-KV writes out only in the later merge kernel), so no
-        # temporary is needed. out is a buffer of its own (the op's contract), never a view of q.
-        o = out.view(T, H, D)
-        q_buf = o if out.dtype == q.dtype else None
-        q_rot = rope_and_write_kv(q, k.view(T, Hk, D), v.view(T, Hk, D), positions, self.cos_sin,
-                                  kv_cache, meta.slot_mapping, q_out=q_buf)
-        unified_attention(q_rot, kv_cache, o, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                          meta.num_reqs, meta.max_query_len, self.scale, self.num_splits(meta))
+    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping) -> torch.Tensor:
+        # Inside the piecewise graphs: the grid is T (the bucket) and slot_mapping a view of the
+        # runner's static buffer, so a replay reads this step's slots. The rotated q is a new
+        # tensor (graph memory in a piece); writing it into the attention's `out` would make that
+        # buffer both the op's input and its mutated output.
+        return rope_and_write_kv(q, k, v, positions, self.cos_sin, kv_cache, slot_mapping)
+
+    def forward(self, q, out, kv_cache, meta: AttentionMetadata) -> None:
+        # The eager part of a piecewise step, once per layer: keep the Python short. The split
+        # count depends only on the step's host values, so the first layer computes it for all.
+        splits = meta.num_splits
+        if splits is None:
+            splits = meta.num_splits = self.num_splits(meta)
+        unified_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                          meta.num_reqs, meta.max_query_len, self.scale, splits)

@@ -20,6 +20,7 @@ import time
 import torch
 
 from pcg_engine.attention.context import ForwardContext, set_forward_context
+from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.compile.cache import (CompileCache, cache_fields, inductor_cache_counters, no_cache)
 from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
@@ -38,10 +39,29 @@ def token_buckets_for(runner) -> list[int]:
     return sorted(b for b in clamped if b <= limit)
 
 
-def _dummy_forward(runner, forward, num_tokens: int):
-    """A forward over the static buffers with no requests (attention writes zeros)."""
+def dummy_metadata(runner, num_tokens: int) -> AttentionMetadata:
+    """A step of num_tokens padding tokens and no request, over the runner's static buffers.
+
+    The KV write runs inside the captured pieces, so a capture must see the real slot buffer (the
+    address every later step of the bucket uses) holding slots the write may touch: -1 sends every
+    token to the scratch block. No request means attention writes zeros."""
     b = runner.batch
-    with set_forward_context(ForwardContext(None, runner.kv_caches, runner.backend)):
+    b.input_ids[:num_tokens].zero_()
+    b.positions[:num_tokens].zero_()
+    b.slot_mapping[:num_tokens].fill_(-1)
+    b.query_start_loc[:1].zero_()
+    return AttentionMetadata(
+        query_start_loc=b.query_start_loc[:1], seq_lens=b.seq_lens[:0], block_table=b.step_block_table[:0],
+        slot_mapping=b.slot_mapping[:num_tokens], num_reqs=0, num_tokens=num_tokens, max_query_len=0,
+        max_seq_len=0, query_start_loc_cpu=torch.zeros(1, dtype=torch.int32),
+        seq_lens_cpu=torch.zeros(0, dtype=torch.int32))
+
+
+def _dummy_forward(runner, forward, num_tokens: int):
+    """A forward over the static buffers with no requests (dummy_metadata)."""
+    b = runner.batch
+    meta = dummy_metadata(runner, num_tokens)
+    with set_forward_context(ForwardContext(meta, runner.kv_caches, runner.backend)):
         return forward(b.input_ids[:num_tokens], b.positions[:num_tokens])
 
 

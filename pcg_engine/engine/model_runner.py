@@ -22,6 +22,7 @@ import torch
 
 from pcg_engine.attention.backend import kv_cache_shape, make_backend
 from pcg_engine.attention.context import ForwardContext, set_forward_context
+from pcg_engine.attention.op import bind_kv_caches
 from pcg_engine.attention.rope import rope_cache
 from pcg_engine.config import EngineConfig, default_buckets
 from pcg_engine.engine.input_batch import InputBatch, StepInputs
@@ -69,6 +70,9 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks()
         shape = kv_cache_shape(self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        # Each attention module holds its layer's cache (a buffer: a graph input to the compiled
+        # pieces, at this fixed address for the runner's life). Bound before any trace.
+        bind_kv_caches(self.model, self.kv_caches)
         self.forward_fn = self.model.forward
         self.token_buckets: list[int] = []
         self.full_graphs = None
@@ -80,6 +84,8 @@ class ModelRunner:
         pieces, weights, static buffers). A process that builds several engines one after another
         (the benchmarks' --modes) calls this, so the next engine's KV sizing sees a free GPU
         whatever references to the old engine remain."""
+        if getattr(self, "model", None) is not None:   # the modules hold the caches too
+            bind_kv_caches(self.model, None)
         for name in ("full_graphs", "graph_pool", "forward_fn", "kv_caches", "model", "batch", "cos_sin"):
             if hasattr(self, name):
                 setattr(self, name, None)

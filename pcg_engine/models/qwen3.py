@@ -12,7 +12,7 @@ handles both layouts through `project_qkv` and `gate_up`.
 import torch
 from torch import nn
 
-import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.attention)
+import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.rope_kv_write, .attention)
 from pcg_engine.models.layers import RMSNorm, silu_and_mul
 from pcg_engine.models.moe import SparseMoE
 
@@ -33,6 +33,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # This layer's paged KV cache, bound by the runner (attention.op.bind_kv_caches). A buffer,
+        # so that Dynamo lifts it as a graph input like the weights: the layer's identity reaches the
+        # ops as a tensor, never as a constant in the compiled pieces. Not persistent: no checkpoint
+        # holds it, and empty until bound.
+        self.register_buffer("kv_cache", torch.empty(0), persistent=False)
 
     def project_qkv(self, h: torch.Tensor):
         if hasattr(self, "qkv_proj"):
@@ -43,12 +48,19 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(h)
         T = h.shape[0]
         # Per-head RMSNorm: normalise each head_dim slice (a view of [T * heads, head_dim]).
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
+        # The results are head-shaped [T, heads, head_dim] here, inside the compiled pieces, so the
+        # eager path between pieces reshapes nothing.
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
         # v stays a strided view of the fused qkv output (its last dim is contiguous, which is all
         # the backends need): a .contiguous() here was one copy kernel per layer per step.
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        # Two ops (attention/op.py): the RoPE + KV write stays in the compiled piece (and in its CUDA
+        # graph); only the attention op splits the graph and runs eagerly between pieces.
+        q = torch.ops.pcg.rope_kv_write(q, k, v, positions, self.kv_cache)
         out = torch.empty_like(q)
-        torch.ops.pcg.attention(q, k, v, positions, out, self.layer_idx)
+        torch.ops.pcg.attention(q, self.kv_cache, out)
+        out = out.view(T, self.q_size)
         return self.o_proj(out)
 
 

@@ -27,14 +27,23 @@ def test_identical_layers_share_compiled_code(dense_piecewise):
     assert len(set(middle)) == 1 and middle[0] not in (stats.keys[0], stats.keys[-1])
 
 
-def test_layer_index_stays_in_attention_nodes(dense_piecewise):
-    backend = dense_piecewise.forward_fn.backend
-    indices = []
-    for sub in backend.submodules:
-        if sub.is_splitting_op:
-            (node,) = [n for n in sub.graph_module.graph.nodes if n.op == "call_function"]
-            indices.append(node.args[-1])
-    assert indices == list(range(dense_piecewise.num_layers))
+def test_layer_cache_reaches_the_ops_as_a_graph_input(dense_piecewise):
+    """Layer identity is a tensor input (the layer's KV cache buffer, lifted by Dynamo), never a
+    constant: each attention node and the KV write in the piece before it read the same placeholder,
+    and every layer's is a different one."""
+    split = dense_piecewise.forward_fn.backend.split_module
+    placeholders = {n for n in split.graph.nodes if n.op == "placeholder"}
+    calls = [n for n in split.graph.nodes if n.op == "call_module"]
+    caches = []
+    for i, node in enumerate(calls):
+        if i % 2 == 0:
+            continue
+        (cache,) = [a for a in node.args if a in placeholders and "kv_cache" in a.name]
+        assert all(not isinstance(a, int) for a in node.args)
+        assert cache in calls[i - 1].args, "the piece before the attention must write this cache"
+        caches.append(cache)
+    assert len(set(caches)) == dense_piecewise.num_layers
+    assert all(f"layers_modules_{i}_" in c.name for i, c in enumerate(caches))
 
 
 def test_dump_graph(dense_piecewise, tmp_path):
@@ -70,10 +79,12 @@ def test_split_graph_on_a_plain_fx_graph():
 
     def model(q, positions):
         outs = []
-        for layer in range(3):
+        for _ in range(3):
             q = q * 2
+            cache = torch.zeros(2, 4, 4, 2, 8)
+            rotated = torch.ops.pcg.rope_kv_write(q, q[:, :2], q[:, :2], positions, cache)
             out = torch.empty_like(q)
-            torch.ops.pcg.attention(q, q, q, positions, out, layer)
+            torch.ops.pcg.attention(rotated, cache, out)
             q = out + 1
             outs.append(q)
         return q

@@ -18,6 +18,7 @@ import torch
 from pcg_engine.attention.backend import kv_cache_shape, make_backend
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.metadata import AttentionMetadata
+from pcg_engine.attention.op import bind_kv_caches
 from pcg_engine.attention.rope import rope_cache
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.fuse import parameter_bytes
@@ -66,6 +67,7 @@ class FlatDriver:
                                     block_size=BS, cos_sin=rope_cache(head_dim, 256, theta))
         self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, kv_heads, head_dim))
                    for _ in range(cfg.num_hidden_layers)]
+        bind_kv_caches(model, self.kv)
         self.free = list(range(1, NUM_BLOCKS))          # block 0 is the scratch block
         random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}
