@@ -35,6 +35,49 @@ def make_dataset(args, llm, n: int, seed: int) -> tuple[list[list[int]], list[in
     return prompts, out_lens.tolist()
 
 
+class StepLog:
+    """Wall time of every engine step with the batch it started from, split into phases.
+
+    Tells where a run's time goes: the prefill phase (some request still waiting or prefilling) and
+    decode steps by how many requests were running (the batch shrinks as requests finish)."""
+
+    EDGES = (0, 16, 64, 128, 192, 256, 1 << 30)
+
+    def __init__(self, engine):
+        self.engine, self.rows, self.prefilling = engine, [], True
+        self._step = engine.step
+        engine.step = self._timed
+
+    def _timed(self):
+        sched = self.engine.scheduler
+        running = len(sched.running)
+        # Prefill phase: a request waits or a running one has prompt left. Checked only until the
+        # first step without either (all requests arrive at once), so the log costs nothing later.
+        if self.prefilling:
+            self.prefilling = bool(sched.waiting) or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+        t0 = time.perf_counter()
+        out = self._step()
+        self.rows.append((time.perf_counter() - t0, self.prefilling, running))
+        return out
+
+    def close(self):
+        self.engine.step = self._step
+
+    def phases(self) -> dict:
+        out = {"prefill (until every prompt is in)": [0, 0.0]}
+        for dt, prefilling, running in self.rows:
+            if prefilling:
+                key = "prefill (until every prompt is in)"
+            else:
+                i = next(i for i, e in enumerate(self.EDGES) if running <= e)
+                key = f"decode, {self.EDGES[i - 1] + 1}-{self.EDGES[i]} running"
+            row = out.setdefault(key, [0, 0.0])
+            row[0] += 1
+            row[1] += dt
+        return {k: {"steps": n, "s": t, "ms_per_step": 1000 * t / max(n, 1)} for k, (n, t) in out.items()}
+
+
 def run_mode(llm, args) -> dict:
     if args.warmup_prompts:
         warm, warm_out = make_dataset(args, llm, args.warmup_prompts, args.seed + 1000)
@@ -42,8 +85,12 @@ def run_mode(llm, args) -> dict:
     prompts, out_lens = make_dataset(args, llm, args.num_prompts, args.seed)
     params = [common.bench_params(o, args.temperature) for o in out_lens]
     common.reset_stats(llm)
+    log = StepLog(llm.engine)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        log.close()
     elapsed = time.perf_counter() - t0
     stats = llm.engine.stats
     out_tokens = sum(len(o.token_ids) for o in outs)
@@ -60,6 +107,7 @@ def run_mode(llm, args) -> dict:
         "steps": stats.steps,
         "host_ms_per_step": 1000 * stats.host_s / max(stats.steps, 1),
         "preemptions": stats.preemptions,
+        "phases": log.phases(),
         "engine_mode": llm.engine.runner.mode,
         "async_scheduling": llm.engine.async_scheduling,
         "engine_config": common.engine_config(llm),
@@ -93,6 +141,9 @@ def main(argv=None) -> int:
         "mode", "output tok/s", "total tok/s", "req/s", "elapsed s", "steps", "host ms/step", "vs first"],
         [[n, r["output_throughput"], r["total_token_throughput"], r["request_throughput"], r["elapsed_s"],
           r["steps"], r["host_ms_per_step"], f"{r['output_throughput'] / base:.2f}x"] for n, r in results.items()])
+    for n, r in results.items():
+        common.print_table(f"{n}: where the time went", ["phase", "steps", "s", "ms/step"],
+                           [[k, v["steps"], v["s"], v["ms_per_step"]] for k, v in r["phases"].items()])
     common.write_mode_results(args, model, "throughput", results)
     return 0
 

@@ -136,6 +136,11 @@ def test_throughput(tmp_path):
     assert ENV_KEYS <= set(data) and data["config"]["max_model_len"] == 4096
     assert data["num_requests"] == 6 and data["total_output_tokens"] == data["expected_output_tokens"]
     assert data["output_throughput"] > 0 and data["steps"] >= 5
+    # The phase split accounts for every step, prefill first (all requests arrive at once).
+    phases = data["phases"]
+    assert sum(p["steps"] for p in phases.values()) == data["steps"]
+    assert phases["prefill (until every prompt is in)"]["steps"] >= 1
+    assert sum(p["s"] for p in phases.values()) <= data["elapsed_s"]
 
 
 def test_throughput_p2_defaults():
