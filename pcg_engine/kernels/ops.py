@@ -12,10 +12,11 @@ All ops are functional: they return new contiguous tensors and mutate nothing.
   torch.ops.pcg.add_rms_norm(x, residual, weight, eps) -> (out, new_residual)
   torch.ops.pcg.silu_and_mul(x) -> out
   torch.ops.pcg.fused_moe(x, w13, w2, topk_weights, topk_ids) -> out
+  torch.ops.pcg.linear(x, weight) -> x @ weight.T (skinny GEMM kernel for few rows, else F.linear)
 """
 
 from pcg_engine.custom_ops import pcg_op
-from pcg_engine.kernels import activation, fused_moe as moe, norm
+from pcg_engine.kernels import activation, fused_moe as moe, norm, skinny_gemm
 
 
 @pcg_op("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
@@ -40,3 +41,9 @@ def silu_and_mul(x):
         fake=lambda x, w13, w2, topk_weights, topk_ids: x.new_empty((x.shape[0], w2.shape[1])))
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     return moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+@pcg_op("linear(Tensor x, Tensor weight) -> Tensor",
+        fake=lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])))
+def linear(x, weight):
+    return skinny_gemm.linear(x, weight)

@@ -32,7 +32,8 @@ def set_kernels(model, kernels: bool):
     """Route norms, activation and MoE through the Triton custom ops (CUDA) or plain PyTorch."""
     for module in model.modules():
         if hasattr(module, "use_kernels"):
-            module.use_kernels = kernels
+            # A module may decline (layers.Linear: no measured kernel win for its shape).
+            module.use_kernels = kernels and getattr(module, "kernel_applies", lambda: True)()
     model.kernels = kernels
     return model
 

@@ -7,6 +7,7 @@ read per step, so Dynamo sees a constant.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pcg_engine.kernels.activation import silu_and_mul_ref
@@ -44,9 +45,31 @@ def silu_and_mul(x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
-def concat_linear(parts: list[nn.Linear]) -> nn.Linear:
+class Linear(nn.Linear):
+    """A projection without bias whose few-row CUDA calls may take the skinny GEMM kernel.
+
+    With kernels on, it calls torch.ops.pcg.linear, which picks kernels/skinny_gemm.py's kernel for
+    up to 16 rows of a shape measured to beat cuBLAS there and F.linear otherwise. Shapes with no
+    measured win keep plain F.linear (`kernel_applies`), so they pay no custom-op call in eager steps.
+    """
+
+    def __init__(self, in_features: int, out_features: int, **kwargs):
+        super().__init__(in_features, out_features, bias=False, **kwargs)
+        self.use_kernels = False
+
+    def kernel_applies(self) -> bool:
+        from pcg_engine.kernels.skinny_gemm import has_tuned
+        return has_tuned(*self.weight.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            return _kernel_ops().linear(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+def concat_linear(parts: list[nn.Linear]) -> Linear:
     """One Linear whose output is the concatenation of the parts' outputs (weights copied once)."""
     weight = torch.cat([p.weight.data for p in parts], dim=0)
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    fused = Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
     fused.weight.data = weight
     return fused

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.rope_kv_write, .attention)
-from pcg_engine.models.layers import RMSNorm, silu_and_mul
+from pcg_engine.models.layers import Linear, RMSNorm, silu_and_mul
 from pcg_engine.models.moe import SparseMoE
 
 
@@ -27,10 +27,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.q_size, bias=False)
-        self.k_proj = nn.Linear(hidden, self.kv_size, bias=False)
-        self.v_proj = nn.Linear(hidden, self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.q_size)
+        self.k_proj = Linear(hidden, self.kv_size)
+        self.v_proj = Linear(hidden, self.kv_size)
+        self.o_proj = Linear(self.q_size, hidden)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         # This layer's paged KV cache, bound by the runner (attention.op.bind_kv_caches). A buffer,
@@ -68,9 +68,9 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
         self.use_kernels = False
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

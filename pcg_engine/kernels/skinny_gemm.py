@@ -1,0 +1,130 @@
+"""Skinny GEMM: y = x @ w.T for a few rows of x (decode steps), streaming the weight at full bandwidth.
+
+At batch 1..16 a projection is a weight-streaming problem: every weight byte is read once and used
+for at most 16 multiply-adds. cuBLAS picks tiles made for compute on these shapes; on the H200 its
+batch-1 kernels read Qwen3-0.6B's projection weights at 0.8-1.6 TB/s of the 4.25 TB/s the card can
+copy (docs/PERF.md, the batch-1 kernel list), and the four projections of a layer are most of a
+decode step's GPU time.
+
+Each program owns BLOCK_N output columns for all rows and walks K in BLOCK_K slices, so the grid
+is cdiv(N, BLOCK_N) programs with no reduction across programs (no split-K, no second kernel, no
+atomics): the launch depends only on the shapes. Two inner products:
+- USE_DOT: tl.dot on a [BLOCK_M >= 16, BLOCK_K] x [BLOCK_K, BLOCK_N] tile (tensor cores, rows
+  padded to 16 and masked); needs BLOCK_N >= 16.
+- otherwise a broadcast multiply and a sum over K on the CUDA cores: any power-of-two BLOCK_M and
+  BLOCK_N down to 1, which lets narrow matrices (N = 1024) spread over more programs than SMs.
+Accumulation in fp32, one rounding at the store.
+
+Which configuration runs for a shape comes from `TUNED` (measured on the H200 by
+scripts/bench_skinny_gemm.py against F.linear); a shape that is not there, or where cuBLAS won,
+keeps F.linear. The kernel serves only CUDA: the CPU path is F.linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 16   # more rows than this and the projection is no longer weight-bound enough to matter
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    # Wrapping the weight rows keeps every weight load in bounds without a mask; the store masks.
+    wn = (rn % N).to(tl.int64)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + wn[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = rk < K - k0 * BLOCK_K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        else:
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=2)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (rows bucket, N, K) -> config, for bf16 on the H200; only shapes where the kernel beat F.linear
+# in scripts/bench_skinny_gemm.py. Rows are bucketed to the next power of two (1, 2, 4, 8, 16).
+TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+def row_bucket(m: int) -> int:
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def has_tuned(n: int, k: int) -> bool:
+    """Whether some row count of weight shape [n, k] takes the kernel."""
+    return any(key[1:] == (n, k) for key in TUNED)
+
+
+def tuned_config(m: int, n: int, k: int) -> SkinnyConfig | None:
+    if m > MAX_M:
+        return None
+    return TUNED.get((row_bucket(m), n, k))
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_M, rows may be strided), w [N, K] contiguous -> y [M, N] in x.dtype."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M > MAX_M or w.shape[1] != K:
+        raise ValueError(f"skinny_gemm: x {tuple(x.shape)} and w {tuple(w.shape)}: expected x [M <= {MAX_M}, K] "
+                         "and w [N, K]")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    if M == 0:
+        return y
+    block_m = max(16, triton.next_power_of_2(M)) if config.use_dot else triton.next_power_of_2(M)
+    block_k = min(config.block_k, max(16, triton.next_power_of_2(K)))
+    grid = (triton.cdiv(N, config.block_n),)
+    _skinny_gemm_kernel[grid](
+        x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        USE_DOT=config.use_dot, EVEN_K=K % block_k == 0,
+        # fp32 stays exact (tf32 would lose 13 mantissa bits); bf16/fp16 dots ignore the setting.
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear, except for few-row CUDA inputs of a tuned shape, which take the skinny kernel."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] > 0:
+        config = tuned_config(x.shape[0], w.shape[0], w.shape[1])
+        if config is not None and x.dtype == w.dtype:
+            return skinny_gemm(x, w, config)
+    return torch.nn.functional.linear(x, w)

@@ -1,0 +1,84 @@
+"""The skinny GEMM against F.linear: both inner products, ragged shapes, strided rows, the dispatch."""
+
+import pytest
+import torch
+
+from pcg_engine.kernels import skinny_gemm as sg
+from pcg_engine.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+
+FP32 = dict(rtol=1e-4, atol=1e-4)
+
+
+# (M, N, K): one row; rows not a power of two; N not a multiple of the tile (wrapped weight rows,
+# masked store); K not a multiple of the tile (masked K tail); the 16-row maximum.
+@pytest.mark.parametrize("m,n,k", [(1, 32, 64), (3, 40, 48), (5, 17, 100), (16, 24, 32)])
+@pytest.mark.parametrize("config", [SkinnyConfig(block_n=16, block_k=32, use_dot=True),
+                                    SkinnyConfig(block_n=8, block_k=32, use_dot=False),
+                                    SkinnyConfig(block_n=1, block_k=64, use_dot=False)],
+                         ids=["dot", "sum", "sum-n1"])
+def test_matches_linear(m, n, k, config, device, poison_empty):
+    x = torch.randn(m, k, device=device)
+    w = torch.randn(n, k, device=device)
+    y = skinny_gemm(x, w, config)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), **FP32)
+
+
+def test_strided_rows_and_half_precision(device):
+    # x as a row-strided view (a slice of a wider activation), in half precision with fp32
+    # accumulation: bf16 on the GPU; fp16 under the CPU interpreter, whose bf16 dot is not usable.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    wide = torch.randn(4, 96, device=device, dtype=dtype)
+    x = wide[:, :64]
+    assert x.stride() == (96, 1)
+    w = torch.randn(48, 64, device=device).to(dtype)
+    ref = (x.float() @ w.float().T).to(dtype)
+    for config in (SkinnyConfig(16, 32, True), SkinnyConfig(8, 32, False)):
+        y = skinny_gemm(x, w, config)
+        torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=2e-2)
+
+
+def test_rejects_more_rows_than_the_maximum(device):
+    x = torch.randn(sg.MAX_M + 1, 16, device=device)
+    with pytest.raises(ValueError, match="M <= 16"):
+        skinny_gemm(x, torch.randn(16, 16, device=device), SkinnyConfig(16, 16, True))
+
+
+def test_row_buckets_and_dispatch(monkeypatch):
+    assert [sg.row_bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    monkeypatch.setattr(sg, "TUNED", {(4, 32, 64): SkinnyConfig(16, 32, True)})
+    assert sg.tuned_config(3, 32, 64) == SkinnyConfig(16, 32, True)
+    assert sg.tuned_config(5, 32, 64) is None          # another row bucket: not measured
+    assert sg.tuned_config(17, 32, 64) is None         # above MAX_M: never
+    # On the CPU the dispatch is always F.linear, tuned shape or not.
+    x, w = torch.randn(3, 64), torch.randn(32, 64)
+    torch.testing.assert_close(sg.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (6144, 4096)])
+def test_gpu_real_shapes_bf16(m, n, k):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    ref = x.float() @ w.float().T
+    for config in (SkinnyConfig(32, 256, True), SkinnyConfig(8, 512, False), SkinnyConfig(16, 512, False)):
+        y = skinny_gemm(x, w, config)
+        assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_linear_layers_take_the_kernel_only_for_tuned_shapes(monkeypatch):
+    import pcg_engine.kernels.ops  # noqa: F401  (registers torch.ops.pcg.linear)
+    from pcg_engine.models.fuse import set_kernels
+    from pcg_engine.models.layers import Linear, RMSNorm
+
+    model = torch.nn.Sequential(Linear(64, 32), Linear(32, 64), RMSNorm(64, 1e-6))
+    monkeypatch.setattr(sg, "TUNED", {(1, 32, 64): SkinnyConfig(16, 32, True)})
+    set_kernels(model, True)
+    assert [m.use_kernels for m in model] == [True, False, True]
+    x = torch.randn(3, 64)
+    # The op's CPU path is F.linear: same numbers as the layer without kernels.
+    torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight))
+    set_kernels(model, False)
+    assert [m.use_kernels for m in model] == [False, False, False]
