@@ -1,9 +1,10 @@
 """The persistent input batch: per-request state in fixed rows, and the step's flat batch built from them.
 
 A request gets one row for its lifetime (preemption and finishing release it). The row holds its
-token ids and its block table on the host; a step writes only what changed (new tokens, appended
-blocks) and builds the flat batch with vectorised numpy gathers over the scheduled rows, no Python
-loop over tokens. The result goes through pinned staging buffers into static device buffers whose
+token ids and counts (row_state.py: the request is bound to the row, so they are written there
+directly) and its block table on the host; a step writes only what changed (appended blocks) and
+builds the flat batch with vectorised numpy gathers over the scheduled rows, no Python loop over
+tokens, and none over requests when the scheduler hands over the rows (ScheduledBatch). The result goes through pinned staging buffers into static device buffers whose
 addresses never change: CUDA graphs captured over them stay valid, and the compiled model always
 sees views of the same storage.
 
@@ -18,6 +19,7 @@ import torch
 
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.engine.request import PLACEHOLDER
+from pcg_engine.engine.row_state import RowState
 
 
 @dataclass
@@ -31,6 +33,7 @@ class StepInputs:
     num_real_tokens: int
     num_real_reqs: int
     sample_rows: list                 # requests that sample this step, in logits order
+    sample_row_ids: np.ndarray | None = None   # their rows (InputBatch only)
 
 
 class InputBatch:
@@ -40,12 +43,10 @@ class InputBatch:
         self.max_blocks = (max_model_len + block_size - 1) // block_size
         self.max_num_tokens = max_num_tokens
         self.device = device
-        self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
-        # Per-row counts as Python lists: they are only read one row at a time, on the hot path
-        # (update / set_token, every request every step), where a numpy scalar read costs more.
-        self.num_written = [0] * max_num_seqs     # tokens written into each row
+        self.state = RowState(max_num_seqs, max_model_len + 1)
+        self.token_ids = self.state.token_ids
         self.block_table = np.zeros((max_num_seqs, self.max_blocks), dtype=np.int32)
-        self.num_blocks = [0] * max_num_seqs      # block ids written into each row
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)     # block ids written into each row
         self.row_of: dict[str, int] = {}
         self.sample_index = np.zeros(max_num_seqs, dtype=np.int64)  # row -> index in last step's tokens
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -81,68 +82,55 @@ class InputBatch:
             raise RuntimeError("input batch is full (max_num_seqs rows in use)")
         row = self.free_rows.pop()
         self.row_of[request.request_id] = row
-        self.num_written[row] = 0
         self.num_blocks[row] = 0
-        self.update(request)
+        self.state.bind(request, row)
         return row
 
     def remove(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
+            self.state.unbind(self.state.requests[row])
             self.free_rows.append(row)
 
     def update(self, request, block_ids: list[int] | None = None) -> None:
-        """Append the tokens and blocks this row has not seen yet (placeholders stored as -1)."""
-        row = self.row_of[request.request_id]
-        tokens = request.token_ids
-        start, end = self.num_written[row], len(tokens)
-        if end == start + 1:     # a decode step's one token: a scalar write, no list slice
-            self.token_ids[row, start] = tokens[start]
-            self.num_written[row] = end
-        elif end > start:
-            self.token_ids[row, start:end] = tokens[start:end]
-            self.num_written[row] = end
+        """Append the blocks this row has not seen yet. (Tokens need nothing: the request is bound
+        to its row, so its edits land there.)"""
         if block_ids is None:
             return
-        nb = self.num_blocks[row]
+        row = self.row_of[request.request_id]
+        nb = int(self.num_blocks[row])
         if len(block_ids) > nb:
             self.block_table[row, nb:len(block_ids)] = block_ids[nb:]
-            self.num_blocks[row] = len(block_ids)
         elif len(block_ids) < nb:  # blocks released (preemption): the row starts over
-            self.num_blocks[row] = len(block_ids)
             self.block_table[row, :len(block_ids)] = block_ids
+        self.num_blocks[row] = self.state.table_len[row] = len(block_ids)
 
     def set_token(self, request_id: str, index: int, token: int) -> None:
         """A placeholder resolved on the host: record its real value in the row."""
         self.set_tokens([(request_id, index, token)])
 
-    # The three calls below run once per step over all of its requests (at batch 256, 256 rows):
-    # one call each, with the per-row work inline, rather than a method call per request.
     def sync_rows(self, scheduled, block_table) -> None:
-        """Bring each scheduled request's row up to date (tokens, appended blocks). Usually
-        nothing changed since the last step: a decode's token is in the row already and its
-        block still has room."""
-        row_of, num_written, num_blocks = self.row_of, self.num_written, self.num_blocks
+        """Append each scheduled row's new blocks. From the scheduler's decode fast path
+        (scheduled.rows set) only the rows whose block count it changed are visited; otherwise
+        every scheduled request is (a step with prefills or admissions)."""
+        rows = getattr(scheduled, "rows", None)
+        if rows is not None:
+            for i in np.flatnonzero(self.state.table_len[rows] != self.num_blocks[rows]).tolist():
+                request = scheduled[i][0]
+                self.update(request, block_table(request.request_id))
+            return
+        num_blocks, row_of = self.num_blocks, self.row_of
         for request, _ in scheduled:
-            row = row_of[request.request_id]
             table = block_table(request.request_id)
-            if len(table) != num_blocks[row] or len(request.token_ids) != num_written[row]:
+            if len(table) != num_blocks[row_of[request.request_id]]:
                 self.update(request, table)
 
     def write_placeholders(self, slots) -> None:
-        """slots: (request, index) of the PLACEHOLDERs just appended; the rows learn of them (-1)."""
-        row_of, num_written, token_ids = self.row_of, self.num_written, self.token_ids
-        for request, n in slots:
-            row = row_of[request.request_id]
-            if num_written[row] == n:
-                token_ids[row, n] = PLACEHOLDER
-                num_written[row] = n + 1
-            else:
-                self.update(request)
+        """Nothing to do: a bound request's placeholders are written into its row as appended."""
 
     def set_tokens(self, resolved) -> None:
         """resolved: (request_id, index, token) of placeholders resolved on the host; one numpy write."""
-        row_of, num_written = self.row_of, self.num_written
+        row_of, num_written = self.row_of, self.state.num_tokens
         rows, cols, vals = [], [], []
         for rid, index, token in resolved:
             row = row_of.get(rid)
@@ -162,11 +150,16 @@ class InputBatch:
         input is filled from there, on the device.
         """
         R = len(scheduled)
-        # One Python pass over the requests (row, new tokens, computed, total tokens), then numpy.
-        row_of = self.row_of
-        info = np.array([(row_of[r.request_id], k, r.num_computed_tokens, len(r.token_ids)) for r, k in scheduled],
-                        dtype=np.int64).reshape(R, 4)
-        rows, n, computed, num_tokens = info[:, 0], info[:, 1], info[:, 2], info[:, 3]
+        # The rows and token counts: handed over by the scheduler's decode fast path, else one
+        # pass over the requests; the rest is numpy over the rows.
+        rows = getattr(scheduled, "rows", None)
+        if rows is None:
+            row_of = self.row_of
+            rows = np.fromiter((row_of[r.request_id] for r, _ in scheduled), np.int64, R)
+            n = np.fromiter((k for _, k in scheduled), np.int64, R)
+        else:
+            n = scheduled.num_new
+        computed, num_tokens = self.state.num_computed[rows], self.state.num_tokens[rows]
         T = int(n.sum())
         Tp = max(pad_tokens_to or T, T)
         Rp = max(pad_reqs_to or R, R)
@@ -250,5 +243,10 @@ class InputBatch:
             max_seq_len=int(seq_lens.max()) if R else 0,
             query_start_loc_cpu=torch.from_numpy(req[:Rp + 1].astype(np.int32).copy()),
             seq_lens_cpu=torch.from_numpy(np.concatenate([seq_lens, np.zeros(Rp - R, np.int64)]).astype(np.int32)))
-        sample_rows = [r for (r, _), s in zip(scheduled, sampling.tolist()) if s]
-        return StepInputs(self.input_ids[:Tp], self.positions[:Tp], meta, self.logits_indices[:S], T, R, sample_rows)
+        requests = getattr(scheduled, "requests", None)
+        if requests is not None and S == R:
+            sample_rows = requests
+        else:
+            sample_rows = [r for (r, _), s in zip(scheduled, sampling.tolist()) if s]
+        return StepInputs(self.input_ids[:Tp], self.positions[:Tp], meta, self.logits_indices[:S], T, R, sample_rows,
+                          rows[sampling])

@@ -6,6 +6,12 @@ Each request that samples at s gets a PLACEHOLDER and its computed count advance
 runner copies the real value into s+1's inputs on the device. The one host sync per step (reading
 s's tokens) then overlaps s+1's GPU work. A request that stopped at s has one wasted token in s+1,
 dropped on resolve. Both modes share `_launch` and `_resolve`; only their order differs.
+
+Requests in rows of the persistent batch are bound to them (row_state.py), so a decode step is
+booked in bulk: placeholders appended and sampled tokens resolved for every row with numpy, and
+only the rows with an event (first token, stop token, length limit, text, logprobs) or whose row was
+released since launch take the per-request path. An input batch without rows (the benchmarks'
+per-step rebuild baseline) leaves the requests unbound and every step on the per-request path.
 """
 
 import itertools
@@ -13,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pcg_engine.config import EngineConfig
@@ -36,6 +43,13 @@ class Inflight:
     sampled: object                                   # SamplerOutput, on the device
     pending: object                                   # PendingTokens: its copy to the host (readback.py)
     slots: list = field(default_factory=list)         # (request, index in token_ids) per sampled row
+    # Instead of slots, when the requests are bound to rows: the requests in sampled order, and
+    # per request its row, its placeholder's index and the row's epoch at launch.
+    requests: list | None = None
+    state: object = None                              # their RowState
+    rows: np.ndarray | None = None
+    index: np.ndarray | None = None
+    epoch: np.ndarray | None = None
 
 
 @dataclass
@@ -194,10 +208,14 @@ class LLMEngine:
         for victim in plan.preempted:
             self._release_row(victim)
         row_of = batch.row_of
-        for request, _ in plan.scheduled:
+        state = getattr(batch, "state", None)
+        # The decode fast path (scheduled.rows) schedules only requests that hold rows already.
+        for request, _ in (plan.scheduled if getattr(plan.scheduled, "rows", None) is None else ()):
             rid = request.request_id
             if rid not in row_of:
                 row = batch.add(request)
+                if state is not None:
+                    self._describe_row(state, row, request)
                 p = request.sampling_params
                 outputs = [t for t in request.output_token_ids if t != PLACEHOLDER]
                 self.sampling.write_rows([row], [SamplingRow(
@@ -215,6 +233,13 @@ class LLMEngine:
             self.sampling.record_sampled(sampled.token_ids, rows)
         else:
             sampled = SamplerOutput(token_ids=logits.argmax(dim=-1))
+        self.stats.steps += 1
+        pending = self.readback.start(sampled)
+        rows = getattr(inputs, "sample_row_ids", None)
+        if state is not None and rows is not None:
+            index = state.append_placeholders(rows)
+            return Inflight(sampled, pending, requests=inputs.sample_rows, state=state, rows=rows, index=index,
+                            epoch=state.epoch[rows])
         slots = []
         for request in inputs.sample_rows:
             tokens = request.token_ids
@@ -222,11 +247,22 @@ class LLMEngine:
             tokens.append(PLACEHOLDER)            # Request.append_output, inlined: runs per request per step
             request.num_placeholders += 1
         batch.write_placeholders(slots)
-        self.stats.steps += 1
-        return Inflight(sampled, self.readback.start(sampled), slots)
+        return Inflight(sampled, pending, slots)
+
+    def _describe_row(self, state, row: int, request: Request) -> None:
+        """What the bulk booking of a freshly bound row needs to know of its request."""
+        rid = request.request_id
+        state.plain[row] = self.detokenizers.get(rid) is None and rid not in self.logprobs
+        state.stream[row] = not request.final_only
+        state.first_pending[row] = request.first_token_time is None
+        state.set_stop_ids(row, request.stop_token_set)
 
     def _resolve(self, inflight: Inflight) -> list[RequestOutput]:
         w0 = time.perf_counter()
+        if inflight.rows is not None:
+            values = self.readback.wait_array(inflight.pending)   # the one host sync of a step
+            self.stats.sync_wait_s += time.perf_counter() - w0
+            return self._resolve_rows(inflight, values)
         values = self.readback.wait(inflight.pending)   # the one host sync of a step
         self.stats.sync_wait_s += time.perf_counter() - w0
         lps = self._logprob_lists(inflight.pending)
@@ -263,22 +299,79 @@ class LLMEngine:
                 outputs.append(RequestOutput(request, len(tokens) - request.num_placeholders, "", False, [token],
                                              "", logprobs.get(rid)))
                 continue
-            delta = detok.add(token) if detok is not None else ""
-            status, reason = self._check_stop(request, index, token, detok)
-            if status is not None:
-                request.truncate(index + 1)   # drop the next step's speculative placeholder, if any
-                if detok is not None and detok.stopped_by is None:
-                    delta += detok.flush()
-                self.scheduler.finish_request(request, status, reason)
-                self._forget(request)
-            else:
-                cache_full_blocks(request)
-                if request.final_only:
-                    continue
-            outputs.append(self._output(request, [token], delta))
+            output = self._book_tail(request, index, token, detok)
+            if output is not None:
+                outputs.append(output)
         self.runner.batch.set_tokens(resolved)
         self.stats.generated_tokens += generated
         return outputs
+
+    def _resolve_rows(self, inflight: Inflight, values: np.ndarray) -> list[RequestOutput]:
+        """_resolve for requests bound to rows: every row at once, events one by one."""
+        state, rows, index, requests = inflight.state, inflight.rows, inflight.index, inflight.requests
+        live = state.epoch[rows] == inflight.epoch        # else released since launch
+        ok = live & (state.token_ids[rows, index] == PLACEHOLDER) & (index < state.num_tokens[rows])
+        state.token_ids[rows[ok], index[ok]] = values[ok]
+        state.num_placeholders[rows[ok]] -= 1
+        generated = int(np.count_nonzero(ok))
+        event = ok & (~state.plain[rows] | state.first_pending[rows] | (index >= state.last_index[rows])
+                      | state.stop_hit(rows, values))
+        quiet = ok & ~event
+        if self.block_manager.enable_prefix_caching:
+            # A block that a placeholder kept out of the prefix cache may be publishable now.
+            bs = self.block_manager.block_size
+            for i in np.flatnonzero(quiet & (index // bs < state.num_computed[rows] // bs)).tolist():
+                self.block_manager.cache_full_blocks(requests[i])
+        stream = np.flatnonzero(quiet & state.stream[rows])
+        ends = (state.num_tokens[rows[stream]] - state.num_placeholders[rows[stream]]).tolist()
+        outputs = [RequestOutput(r, e, "", False, [t], "", None)
+                   for r, e, t in zip(map(requests.__getitem__, stream.tolist()), ends, values[stream].tolist())]
+        slow = np.flatnonzero(event | ~live)
+        if not len(slow):
+            self.stats.generated_tokens += generated
+            return outputs
+        state.first_pending[rows[event]] = False
+        lps = self._logprob_lists(inflight.pending)
+        now = time.monotonic()
+        booked = []
+        for i, is_live, idx, token in zip(slow.tolist(), live[slow].tolist(), index[slow].tolist(),
+                                          values[slow].tolist()):
+            request = requests[i]
+            if not is_live:        # preempted (unbound now, resolved in its list) or finished: dropped
+                tokens = request.token_ids
+                if request.is_finished or idx >= len(tokens) or tokens[idx] != PLACEHOLDER:
+                    continue
+                request.resolve_placeholder(idx, token)
+                generated += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            rid = request.request_id
+            if lps is not None and rid in self.logprobs:
+                self.logprobs[rid].append(lps(i, token, request.sampling_params.logprobs))
+            output = self._book_tail(request, idx, token, self.detokenizers.get(rid))
+            if output is not None:
+                booked.append((i, output))
+        self.stats.generated_tokens += generated
+        if booked:             # outputs in sampled order, as the per-request path gives them
+            merged = sorted([*zip(stream.tolist(), outputs), *booked], key=lambda pair: pair[0])
+            outputs = [o for _, o in merged]
+        return outputs
+
+    def _book_tail(self, request: Request, index: int, token: int, detok) -> RequestOutput | None:
+        """The per-request booking of a resolved token: text, stop checks, finishing, output."""
+        delta = detok.add(token) if detok is not None else ""
+        status, reason = self._check_stop(request, index, token, detok)
+        if status is not None:
+            request.truncate(index + 1)   # drop the next step's speculative placeholder, if any
+            if detok is not None and detok.stopped_by is None:
+                delta += detok.flush()
+            self.scheduler.finish_request(request, status, reason)
+            self._forget(request)
+        else:
+            self.block_manager.cache_full_blocks(request)
+            if request.final_only:
+                return None
+        return self._output(request, [token], delta)
 
     def _check_stop(self, request: Request, index: int, token: int, detok):
         p = request.sampling_params
@@ -328,7 +421,7 @@ class LLMEngine:
             logprobs = self.logprobs.get(rid)
             finished = False
         # Placeholders only ever trail the real tokens.
-        return RequestOutput(request, len(request.token_ids) - request.num_placeholders,
+        return RequestOutput(request, request.num_tokens - request.num_placeholders,
                              detok.text if detok is not None else "", finished, new_tokens, delta, logprobs)
 
 

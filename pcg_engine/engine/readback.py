@@ -13,6 +13,7 @@ s's read-back has not consumed yet, and at most two steps are in flight.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -57,3 +58,10 @@ class TokenReadback:
         if pending.event is not None:
             pending.event.synchronize()
         return pending.token_ids.tolist()
+
+    @staticmethod
+    def wait_array(pending: PendingTokens) -> np.ndarray:
+        """wait(), the token ids as a numpy array of their own (the pinned buffer is reused)."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return pending.token_ids.numpy().copy()

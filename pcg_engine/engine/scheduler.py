@@ -13,11 +13,21 @@ advances num_computed_tokens at launch (update_after_step). So:
     back (the request is PREEMPTED, not finished, so the token is kept). Until then it is not
     readmitted: its recompute needs every token's value on the host. The queue waits behind it,
     which costs at most one step because a step's tokens are read back before the next plan.
+
+Decode fast path: when every running request is bound to a row (row_state.py) and is decoding,
+the running part of the plan is made with numpy over the rows: which rows have their last token in
+flight, which cross a block boundary (only those are allocated a block, one call each), and the
+plan is handed on as a ScheduledBatch that carries the rows, so neither the input batch nor
+update_after_step walks the requests. Anything else (a prefill chunk, a block shortage that needs
+a preemption, a full token budget) takes the general loop, which makes the same plan.
 """
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+
+import numpy as np
 
 from pcg_engine.engine.block_manager import BlockManager
 from pcg_engine.engine.request import Request, RequestStatus
@@ -42,9 +52,16 @@ class SchedulerConfig:
                               f"({self.max_model_len}), got {self.max_num_batched_tokens}")
 
 
+class ScheduledBatch(list):
+    """[(request, new tokens)] in batch order; from the decode fast path also numpy `rows` and
+    `num_new` per entry and the `requests` (all of which sample). None where not known."""
+
+    rows = num_new = requests = None
+
+
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, new tokens), batch order
+    scheduled: list[tuple[Request, int]] = field(default_factory=ScheduledBatch)   # (request, new tokens), batch order
     samples: list[bool] = field(default_factory=list)      # per entry: the chunk ends at the last known token
     preempted: list[Request] = field(default_factory=list)  # lost their blocks (and batch rows) this step
     admitted: list[Request] = field(default_factory=list)   # moved from the queue to running this step
@@ -148,17 +165,17 @@ class Scheduler:
     # directly rather than through Request's size properties.
 
     def _last_token_in_flight(self, request: Request) -> bool:
-        return bool(request.num_placeholders) and len(request.token_ids) > request.last_index
+        return bool(request.num_placeholders) and request.num_tokens > request.last_index
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        remaining = len(request.token_ids) - num_computed
+        remaining = request.num_tokens - num_computed
         if remaining <= budget:
             return max(remaining, 0)
         return budget if self.config.enable_chunked_prefill else 0
 
     def _schedule_one(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.scheduled.append((request, num_new))
-        out.samples.append(request.num_computed_tokens + num_new == len(request.token_ids))
+        out.samples.append(request.num_computed_tokens + num_new == request.num_tokens)
         out.num_batched_tokens += num_new
 
     def _preempt(self, request: Request) -> None:
@@ -169,6 +186,46 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)   # victims go newest first, so the oldest ends up in front
 
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int | None:
+        """The decode fast path (module docstring). Returns the budget left, or None, having
+        changed nothing, when the general loop must plan the running requests."""
+        running = self.running
+        state = running[0]._rows
+        if state is None:
+            return None
+        rows = np.fromiter([r._row for r in running], np.int64, len(running))
+        if rows.min() < 0:
+            return None
+        num_tokens = state.num_tokens[rows]
+        if not np.array_equal(num_tokens, state.num_computed[rows] + 1):
+            return None                                  # a prefill chunk (or nothing to compute)
+        skip = (state.num_placeholders[rows] > 0) & (num_tokens > state.last_index[rows])
+        take = ~skip
+        count = int(np.count_nonzero(take))
+        if count > budget:
+            return None
+        blocks = self.block_manager
+        need = (num_tokens + (blocks.block_size - 1)) // blocks.block_size - state.table_len[rows]
+        grow = np.flatnonzero(take & (need > 0))
+        if len(grow):
+            if int(need[grow].sum()) > blocks.num_free_blocks:
+                return None                              # someone must be preempted
+            for i in grow.tolist():
+                request = running[i]
+                blocks.allocate(request, 1)              # cannot fail: enough blocks are free
+                state.table_len[rows[i]] = len(blocks.block_table(request.request_id))
+        if count == len(running):
+            requests = list(running)
+        else:
+            requests = list(compress(running, take.tolist()))
+            rows = rows[take]
+        scheduled = ScheduledBatch(zip(requests, repeat(1)))
+        scheduled.rows, scheduled.num_new, scheduled.requests = rows, np.ones(count, np.int64), requests
+        out.scheduled = scheduled
+        out.samples = [True] * count
+        out.num_batched_tokens = count
+        return budget - count
+
     def schedule(self) -> SchedulerOutput:
         cfg, blocks = self.config, self.block_manager
         out = SchedulerOutput()
@@ -177,13 +234,17 @@ class Scheduler:
         i = 0
         block_table, bs = blocks.block_table, blocks.block_size
         running = self.running
+        if running:
+            left = self._schedule_decodes(out, budget)
+            if left is not None:
+                budget, i = left, len(running)
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
             # A decode (one token to compute) whose last block has room: the common case at large
             # batch, handled inline without the helpers' calls. With async scheduling its one
             # token is usually the placeholder of the step in flight.
-            n = len(request.token_ids)
+            n = request.num_tokens
             if n == computed + 1 and n <= len(block_table(request.request_id)) * bs:
                 if request.num_placeholders and n > request.last_index:
                     i += 1               # its last allowed token is in flight: nothing to compute
@@ -224,6 +285,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             out.admitted.append(request)
+            # The fast path's arrays no longer cover the batch.
+            out.scheduled.rows = out.scheduled.num_new = out.scheduled.requests = None
             self._schedule_one(out, request, num_new)
             budget -= num_new
         return out
@@ -237,6 +300,17 @@ class Scheduler:
         if isinstance(scheduled, SchedulerOutput):
             scheduled = scheduled.scheduled
         cache_full_blocks, bs = self.block_manager.cache_full_blocks, self.block_manager.block_size
+        rows = getattr(scheduled, "rows", None)
+        if rows is not None:                   # the decode fast path: all bound to one RowState
+            state = scheduled.requests[0]._rows if len(rows) else None
+            if state is not None:
+                before = state.num_computed[rows]
+                after = before + scheduled.num_new
+                state.num_computed[rows] = after
+                if self.block_manager.enable_prefix_caching:
+                    for i in np.flatnonzero(before // bs != after // bs).tolist():
+                        cache_full_blocks(scheduled[i][0])
+            return
         for request, num_new in scheduled:
             before = request.num_computed_tokens
             request.num_computed_tokens = after = before + num_new
