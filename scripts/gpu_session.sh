@@ -9,13 +9,13 @@
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512),
 # p4 (host overhead), overhead (the overhead table), profile, kernels, hostprof (scripts/host_profile.py
-# per mode of HOSTPROF_MODES at HOSTPROF_N requests).
+# per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PCG_COMMIT=${PCG_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B="python3 -m pcg_engine.cli bench"
-T="python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu"
+T="python3 -m pytest -v -rfE -p no:cacheprovider --timeout 150 -m gpu"  # -v: a killed run still names what ran
 M=${M:-/tmp/models}; mkdir -p $M
 model() {  # build a preset once on the GPU (random weights at the published shapes)
   [ -f $M/$1/config.json ] || python3 -m pcg_engine.cli make-model --preset $1 --out $M/$1 --device cuda >/dev/null
@@ -57,6 +57,7 @@ part() {
             timeout $(lim 120) python3 scripts/host_profile.py --model $(model qwen3-0.6b) --mode $mo --requests ${HOSTPROF_N:-1} \
               --steps 50 > $OUT/hostprof_${mo}_${HOSTPROF_N:-1}.txt 2>&1; grep -A12 "===" $OUT/hostprof_${mo}_${HOSTPROF_N:-1}.txt | head -40
           done ;;
+    skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
     kernels) timeout $(lim 150) python3 scripts/bench_kernels.py --json $OUT/kernels.json 2>&1 | tail -30 ;;
     *) echo "unknown part: $1"; exit 2 ;;
   esac
