@@ -242,7 +242,10 @@ def test_no_triton_compile_while_serving_gpu(mode, tiny_paths):
 
     llm = make_llm(tiny_paths["tiny-qwen3"], device="cuda", dtype="bfloat16", mode=mode,
                    max_num_batched_tokens=256, max_num_seqs=16, max_model_len=2048, max_capture_tokens=64,
-                   compile_cache=False, enable_prefix_caching=False)
+                   compile_cache=False, enable_prefix_caching=False,
+                   # A GPU-sized cache would make the per-step invariant check (engine_helpers) scan
+                   # hundreds of thousands of blocks a step: the first GPU run timed out on it.
+                   num_kv_blocks=2048)
     runner = llm.engine.runner
     assert runner.timings["warmup_steps"] > 0 and "warmup_failed" not in runner.timings
     compiled = []
