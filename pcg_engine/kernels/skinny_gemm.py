@@ -22,6 +22,7 @@ keeps F.linear. The kernel serves only CUDA: the CPU path is F.linear.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -73,9 +74,38 @@ class SkinnyConfig:
     num_stages: int = 3
 
 
-# (rows bucket, N, K) -> config, for bf16 on the H200; only shapes where the kernel beat F.linear
-# in scripts/bench_skinny_gemm.py. Rows are bucketed to the next power of two (1, 2, 4, 8, 16).
-TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+# (rows bucket, N, K) -> config, for bf16 on the H200; only shapes where the kernel beat F.linear by
+# >= 5% in `scripts/bench_skinny_gemm.py` (commit 779222f, docs/PERF.md). Rows are bucketed to the
+# next power of two (1, 2, 4, 8, 16). The big wins are the narrow Qwen3-0.6B matrices (N = 1024:
+# o_proj 3.3x, down_proj 1.5x at one row), where cuBLAS leaves most SMs idle; the wide ones
+# (gate_up, 8B qkv) cuBLAS already streams at 2-4 TB/s and keep F.linear.
+TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
+    (1, 1024, 2048): SkinnyConfig(2, 1024, False, 4, 3),
+    (1, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
+    (1, 4096, 4096): SkinnyConfig(32, 256, True, 4, 4),
+    (1, 4096, 12288): SkinnyConfig(32, 256, True, 4, 4),
+    (2, 1024, 2048): SkinnyConfig(2, 1024, False, 4, 3),
+    (2, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
+    (2, 4096, 4096): SkinnyConfig(64, 256, True, 4, 4),
+    (2, 4096, 12288): SkinnyConfig(64, 256, True, 4, 4),
+    (2, 6144, 4096): SkinnyConfig(64, 256, True, 4, 4),
+    (4, 1024, 2048): SkinnyConfig(2, 1024, False, 4, 3),
+    (4, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
+    (4, 4096, 4096): SkinnyConfig(64, 256, True, 4, 4),
+    (4, 4096, 12288): SkinnyConfig(64, 256, True, 4, 4),
+    (8, 1024, 2048): SkinnyConfig(16, 256, True, 4, 4),
+    (8, 1024, 3072): SkinnyConfig(16, 256, True, 4, 4),
+    (8, 4096, 4096): SkinnyConfig(64, 256, True, 4, 4),
+    (8, 4096, 12288): SkinnyConfig(64, 256, True, 4, 4),
+    (8, 24576, 4096): SkinnyConfig(64, 128, True, 4, 3),
+    (16, 1024, 2048): SkinnyConfig(16, 256, True, 4, 4),
+    (16, 1024, 3072): SkinnyConfig(16, 256, True, 4, 4),
+    (16, 4096, 1024): SkinnyConfig(32, 256, True, 4, 4),
+    (16, 4096, 4096): SkinnyConfig(32, 256, True, 4, 4),
+}
+
+# PCG_SKINNY_GEMM=0 keeps F.linear everywhere (an A/B switch for benchmarks, read at fuse time).
+ENABLED = os.environ.get("PCG_SKINNY_GEMM", "1") != "0"
 
 
 def row_bucket(m: int) -> int:
@@ -84,7 +114,7 @@ def row_bucket(m: int) -> int:
 
 def has_tuned(n: int, k: int) -> bool:
     """Whether some row count of weight shape [n, k] takes the kernel."""
-    return any(key[1:] == (n, k) for key in TUNED)
+    return ENABLED and any(key[1:] == (n, k) for key in TUNED)
 
 
 def tuned_config(m: int, n: int, k: int) -> SkinnyConfig | None:

@@ -82,3 +82,12 @@ def test_linear_layers_take_the_kernel_only_for_tuned_shapes(monkeypatch):
     torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight))
     set_kernels(model, False)
     assert [m.use_kernels for m in model] == [False, False, False]
+    monkeypatch.setattr(sg, "ENABLED", False)           # PCG_SKINNY_GEMM=0
+    set_kernels(model, True)
+    assert [m.use_kernels for m in model] == [False, False, True]
+
+
+def test_tuned_table_is_well_formed():
+    for (m, n, k), cfg in sg.TUNED.items():
+        assert m == sg.row_bucket(m) <= sg.MAX_M and n > 0 and k > 0
+        assert cfg.use_dot is False or cfg.block_n >= 16     # tl.dot's minimum tile
