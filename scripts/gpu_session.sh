@@ -55,7 +55,7 @@ part() {
     profile) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 256 --configs 'full graphs,full graphs + async' --out-dir $OUT/profile 2>&1 | tail -12 ;;
     hostprof) for mo in ${HOSTPROF_MODES:-piecewise full_decode}; do   # cProfile + kernel list of batch-1 decode
             timeout $(lim 120) python3 scripts/host_profile.py --model $(model qwen3-0.6b) --mode $mo --requests ${HOSTPROF_N:-1} \
-              --steps 50 > $OUT/hostprof_${mo}_${HOSTPROF_N:-1}.txt 2>&1; grep -A12 "===" $OUT/hostprof_${mo}_${HOSTPROF_N:-1}.txt | head -40
+              --steps ${HOSTPROF_STEPS:-50} ${HOSTPROF_ARGS:-} > $OUT/hostprof_${mo}_${HOSTPROF_N:-1}${HOSTPROF_TAG:-}.txt 2>&1; grep -A12 "===" $OUT/hostprof_${mo}_${HOSTPROF_N:-1}${HOSTPROF_TAG:-}.txt | head -40
           done ;;
     skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
     kernels) timeout $(lim 150) python3 scripts/bench_kernels.py --json $OUT/kernels.json 2>&1 | tail -30 ;;

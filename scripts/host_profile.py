@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import time
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--sync", action="store_true", help="async_scheduling off")
     p.add_argument("--prof-out", default=None, help="write the cProfile stats here")
+    p.add_argument("--phase", choices=["decode", "prefill"], default="decode",
+                   help="prefill: profile the first --steps steps after adding every request (chunked prefill "
+                        "mixed with the decodes of requests already in), as P2's start does")
     args = p.parse_args(argv)
 
     kw = {"mode": args.mode, "max_num_seqs": max(args.requests, 1)}
@@ -42,27 +46,45 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
     params = common.bench_params(3 * args.steps + 40)
+    if args.phase == "prefill":   # warm the same step shapes up once, then start over
+        warm = [engine.add_request(pr, params) for pr in prompts]
+        for _ in range(args.steps):
+            engine.step()
+        for rid in warm:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
     ids = [engine.add_request(pr, params) for pr in prompts]
     requests = [engine.requests[i] for i in ids]
-    while any(r.first_token_time is None for r in requests):
-        engine.step()
-    for _ in range(10):
-        engine.step()
+    if args.phase == "decode":
+        while any(r.first_token_time is None for r in requests):
+            engine.step()
+        for _ in range(10):
+            engine.step()
 
     prof = cProfile.Profile()
+    t0 = time.perf_counter()
     prof.enable()
     for _ in range(args.steps):
         engine.step()
     prof.disable()
+    wall = time.perf_counter() - t0
     s = io.StringIO()
     stats = pstats.Stats(prof, stream=s).sort_stats("tottime")
     stats.print_stats(args.top)
-    print(f"=== cProfile, mode {engine.runner.mode}, {args.requests} requests, {args.steps} steps (own time)")
+    print(f"=== cProfile, mode {engine.runner.mode}, {args.requests} requests, {args.phase}, {args.steps} steps "
+          f"(own time; wall {1000 * wall / args.steps:.2f} ms/step under cProfile)")
     print(s.getvalue())
     if args.prof_out:
         stats.dump_stats(args.prof_out)
 
     if torch.cuda.is_available():
+        if args.phase == "prefill":
+            for rid in ids:
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            ids = [engine.add_request(pr, params) for pr in prompts]
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as tp:
             for _ in range(args.steps):
