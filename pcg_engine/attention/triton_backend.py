@@ -6,7 +6,7 @@ forward can be captured in a full CUDA graph and replayed with new contents of t
 The one exception is split-KV, whose split count uses max_seq_len (a per-step host value): the
 graph runner sets `allow_split_kv = False` around capture (or uses `capturing()`), and eager
 steps with small batches and long contexts get it back. The count is stored in the step's metadata
-by its first attention call (a metadata object lives for one step, under one setting of the flag).
+by its first attention call while splitting is allowed.
 
 In piecewise mode the RoPE + KV write runs inside the pieces' graphs (attention/op.py); only
 forward() runs between pieces, once per layer.
@@ -60,9 +60,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, out, kv_cache, meta: AttentionMetadata) -> None:
         # The eager part of a piecewise step, once per layer: keep the Python short. The split
-        # count depends only on the step's host values, so the first layer computes it for all.
-        splits = meta.num_splits
-        if splits is None:
-            splits = meta.num_splits = self.num_splits(meta)
+        # count depends only on the step's host values, so the first layer computes it for all
+        # (cached only while splitting is allowed: a capture never reads a cached count).
+        if self.allow_split_kv:
+            splits = meta.num_splits
+            if splits is None:
+                splits = meta.num_splits = self.num_splits(meta)
+        else:
+            splits = 1
         unified_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
                           meta.num_reqs, meta.max_query_len, self.scale, splits)

@@ -137,6 +137,11 @@ class PcgBackend:
             # The split module's code calls self.<name>(...): an instance attribute shadows the
             # registered submodule without making the compiled callable an nn.Module.
             split.__dict__[sub.name] = runner
+        for sub in subs:
+            if sub.is_splitting_op:
+                # Attention runs eagerly once per layer per step: call its graph's code directly,
+                # skipping nn.Module.__call__ and GraphModule's call wrapper (µs of host time each).
+                split.__dict__[sub.name] = sub.graph_module.forward
         if self.on_split is not None:
             self.on_split(split, subs, fakes)
         return split

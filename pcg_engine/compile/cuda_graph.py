@@ -9,7 +9,10 @@ graph, and anything on the CPU runs the compiled piece directly.
 Why replays need no input copies: piece 0 reads views of the runner's static buffers
 (`batch.input_ids[:T]`, same address every step), and every later piece reads outputs of the piece
 before it or the attention output it allocated, all of which live in graph-owned memory that the
-replay rewrites in place. `GraphPool.debug` (env PCG_CUDAGRAPH_DEBUG=1) checks that on every replay.
+replay rewrites in place. The other inputs are fixed for the runner's life: the weights, each
+layer's KV cache (allocated once; the KV write inside each piece writes it in place, at the slots
+of `batch.slot_mapping`, another static buffer, read through the step's metadata) and
+`batch.positions[:T]`. `GraphPool.debug` (env PCG_CUDAGRAPH_DEBUG=1) checks that on every replay.
 
 Memory: the graph keeps only non-owning views of its outputs. While one forward runs, the outputs
 it still needs are held by the split module's locals, so the allocator cannot hand them to a later

@@ -5,8 +5,9 @@ its own submodule and everything between two attentions becomes one piece, so L 
 pieces alternating with L attention submodules (2L + 1 submodules in all), in the original order.
 
 Two pieces whose graphs do the same thing on inputs of the same metadata get the same `piece_key`:
-with Dynamo inlining nn modules the layer weights are graph inputs, so the middle pieces of a
-model differ only in node names, which the key ignores. The backend compiles one of them and
+with Dynamo inlining nn modules the layer weights and KV-cache buffers are graph inputs, so the
+middle pieces of a model differ only in node names, which the key ignores (a per-layer constant,
+such as a layer index passed to an op inside a piece, would make every piece distinct). The backend compiles one of them and
 reuses the artifact for the rest.
 """
 

@@ -5,9 +5,10 @@ sizes picked from max_query_len, split-KV or not) or a new specialisation class 
 argument (equal to 1, divisible by 16, other). A compile takes 0.1-1 s, and without this the first
 steps that meet a variant stall the whole batch: on an H200 the TTFT load test (8 concurrent
 512-token prompts) had an ITL p99 of 765 ms from exactly that. Graph capture compiles only what
-it runs (the pieces at each bucket, decode attention at the decode buckets); prefill attention
-runs eagerly between the pieces and the steps above the largest bucket run ungraphed, so their
-variants would be met while serving.
+it runs (the pieces at each bucket, with the RoPE + KV write inside them, decode attention at the
+decode buckets); prefill attention runs eagerly between the pieces and the steps above the largest
+bucket run ungraphed, so their variants would be met while serving. (The RoPE + KV write kernel
+has one variant per model: T sets only its grid.)
 
 What runs: dummy steps through the runner's own path (`pick_padding`: full decode graph,
 piecewise, compiled or eager) and the real attention backend, one step per new pair of

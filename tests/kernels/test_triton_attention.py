@@ -104,6 +104,14 @@ def test_unified_attention_matches_reference(name, monkeypatch):
             assert (out[meta.query_start_loc_cpu[r]:meta.query_start_loc_cpu[r] + n] == 0).all()
 
 
+def backend_step(backend, q, k, v, positions, out, cache, meta):
+    """What one layer's two ops do (attention/op.py): RoPE + KV write, then attention into out."""
+    T, D = q.shape[0], backend.head_dim
+    q_rot = backend.rope_and_write_kv(q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D), positions, cache,
+                                      meta.slot_mapping)
+    backend.forward(q_rot, out.view(T, -1, D), cache, meta)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_matches_torch_backend(dtype):
     Hq, Hk, D, bs = 4, 2, 32, 4
@@ -120,11 +128,11 @@ def test_backend_matches_torch_backend(dtype):
         positions[qs:qs + n] = torch.arange(s - n, s, device=DEVICE).clamp_min(0)
     kw = dict(num_heads=Hq, num_kv_heads=Hk, head_dim=D, block_size=bs, cos_sin=cos_sin)
     ref_cache, ref_out = cache.clone(), torch.zeros(T, Hq * D, device=DEVICE, dtype=dtype)
-    TorchAttentionBackend(**kw).forward(q, k, v, positions, ref_out, ref_cache, meta)
+    backend_step(TorchAttentionBackend(**kw), q, k, v, positions, ref_out, ref_cache, meta)
     out = torch.full((T, Hq * D), float("nan"), device=DEVICE, dtype=dtype)
     backend = TritonAttentionBackend(**kw)
     assert backend.name == "triton" and backend.cuda_graph_safe
-    backend.forward(q, k, v, positions, out, cache, meta)
+    backend_step(backend, q, k, v, positions, out, cache, meta)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     check(out.view(T, Hq, D), ref_out.float().view(T, Hq, D), tol)
     torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], atol=tol, rtol=tol)
@@ -180,7 +188,8 @@ def test_gpu_backend_cuda_graph_replay():
                               meta.slot_mapping.clone(), R, T, 2, 4096)
 
     def fwd():
-        backend.forward(static["q"], static["k"], static["v"], static["pos"], static["out"], static["cache"], smeta)
+        backend_step(backend, static["q"], static["k"], static["v"], static["pos"], static["out"], static["cache"],
+                     smeta)
 
     fwd()  # warm up (compiles) outside the capture
     torch.cuda.synchronize()
@@ -198,7 +207,7 @@ def test_gpu_backend_cuda_graph_replay():
         graph.replay()
         ref_out = torch.full_like(static["out"], float("nan"))
         ref_cache = cache.clone()
-        backend.forward(q, k, v, positions, ref_out, ref_cache, meta)  # eager (may split)
+        backend_step(backend, q, k, v, positions, ref_out, ref_cache, meta)  # eager (may split)
         torch.cuda.synchronize()
         check(static["out"].view(T, Hq, D), ref_out.float().view(T, Hq, D), 1e-2)
         assert torch.equal(static["cache"][:, 1:], ref_cache[:, 1:])
