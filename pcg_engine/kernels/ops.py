@@ -13,6 +13,8 @@ All ops are functional: they return new contiguous tensors and mutate nothing.
   torch.ops.pcg.silu_and_mul(x) -> out
   torch.ops.pcg.fused_moe(x, w13, w2, topk_weights, topk_ids) -> out
   torch.ops.pcg.linear(x, weight) -> x @ weight.T (skinny GEMM kernel for few rows, else F.linear)
+  torch.ops.pcg.silu_mul_linear(gate_up, weight) -> silu_and_mul(gate_up) @ weight.T (one skinny launch
+      for few rows)
 """
 
 from pcg_engine.custom_ops import pcg_op
@@ -47,3 +49,9 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
         fake=lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])))
 def linear(x, weight):
     return skinny_gemm.linear(x, weight)
+
+
+@pcg_op("silu_mul_linear(Tensor gate_up, Tensor weight) -> Tensor",
+        fake=lambda gate_up, weight: gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0])))
+def silu_mul_linear(gate_up, weight):
+    return skinny_gemm.silu_mul_linear(gate_up, weight)

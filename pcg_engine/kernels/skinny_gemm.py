@@ -34,8 +34,12 @@ MAX_M = 16   # more rows than this and the projection is no longer weight-bound 
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                        GATED: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                        PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # GATED: x rows are [gate | up] (2K wide) and the GEMM's input is silu(gate) * up, computed
+    # on the fly and rounded to x's dtype exactly as kernels/activation.py's kernel stores it, so
+    # the fused MLP tail equals SiLU-and-mul followed by this GEMM bit for bit.
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -48,12 +52,17 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
+            x_ok = m_ok[:, None]
             w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         else:
             k_ok = rk < K - k0 * BLOCK_K
+            x_ok = m_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if GATED:
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
+            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         else:
@@ -123,14 +132,17 @@ def tuned_config(m: int, n: int, k: int) -> SkinnyConfig | None:
     return TUNED.get((row_bucket(m), n, k))
 
 
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig,
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: bool = False,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_M, rows may be strided), w [N, K] contiguous -> y [M, N] in x.dtype."""
-    M, K = x.shape
+    """x [M, K] (M <= MAX_M, rows may be strided), w [N, K] contiguous -> y [M, N] in x.dtype.
+
+    gated: x is [M, 2K] = [gate | up] and y = (silu(gate) * up) @ w.T (the MLP's down projection
+    with the SiLU-and-mul folded in)."""
+    M, K = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     N = w.shape[0]
-    if M > MAX_M or w.shape[1] != K:
-        raise ValueError(f"skinny_gemm: x {tuple(x.shape)} and w {tuple(w.shape)}: expected x [M <= {MAX_M}, K] "
-                         "and w [N, K]")
+    if M > MAX_M or w.shape[1] != K or (gated and x.shape[1] != 2 * K):
+        raise ValueError(f"skinny_gemm: x {tuple(x.shape)} and w {tuple(w.shape)}: expected x [M <= {MAX_M}, "
+                         f"{'2K' if gated else 'K'}] and w [N, K]")
     if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
@@ -143,7 +155,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig,
     grid = (triton.cdiv(N, config.block_n),)
     _skinny_gemm_kernel[grid](
         x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        USE_DOT=config.use_dot, EVEN_K=K % block_k == 0,
+        GATED=gated, USE_DOT=config.use_dot, EVEN_K=K % block_k == 0,
         # fp32 stays exact (tf32 would lose 13 mantissa bits); bf16/fp16 dots ignore the setting.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
@@ -158,3 +170,14 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if config is not None and x.dtype == w.dtype:
             return skinny_gemm(x, w, config)
     return torch.nn.functional.linear(x, w)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, then @ w.T: one skinny launch for few-row CUDA inputs of a tuned shape,
+    else kernels/activation.py's SiLU-and-mul and F.linear (the same numbers either way)."""
+    if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.shape[0] > 0:
+        config = tuned_config(gate_up.shape[0], w.shape[0], w.shape[1])
+        if config is not None and gate_up.dtype == w.dtype:
+            return skinny_gemm(gate_up, w, config, gated=True)
+    from pcg_engine.kernels.activation import silu_and_mul
+    return torch.nn.functional.linear(silu_and_mul(gate_up), w)

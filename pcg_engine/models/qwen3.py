@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.rope_kv_write, .attention)
-from pcg_engine.models.layers import Linear, RMSNorm, silu_and_mul
+from pcg_engine.models.layers import Linear, RMSNorm, _kernel_ops, silu_and_mul
 from pcg_engine.models.moe import SparseMoE
 
 
@@ -78,6 +78,9 @@ class MLP(nn.Module):
             gate_up = self.gate_up_proj(h)
         else:
             gate_up = torch.cat([self.gate_proj(h), self.up_proj(h)], dim=-1)
+        if self.use_kernels and self.down_proj.use_kernels:
+            # The down projection takes the skinny GEMM for few rows: SiLU-and-mul folds into it.
+            return _kernel_ops().silu_mul_linear(gate_up, self.down_proj.weight)
         return self.down_proj(silu_and_mul(gate_up, self.use_kernels))
 
 

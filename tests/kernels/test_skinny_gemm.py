@@ -91,3 +91,36 @@ def test_tuned_table_is_well_formed():
     for (m, n, k), cfg in sg.TUNED.items():
         assert m == sg.row_bucket(m) <= sg.MAX_M and n > 0 and k > 0
         assert cfg.use_dot is False or cfg.block_n >= 16     # tl.dot's minimum tile
+
+
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 48), (5, 100)])
+@pytest.mark.parametrize("config", [SkinnyConfig(16, 32, True), SkinnyConfig(4, 64, False)], ids=["dot", "sum"])
+def test_gated_equals_silu_and_mul_then_linear(m, k, config, device, poison_empty):
+    from pcg_engine.kernels.activation import silu_and_mul_ref
+    gate_up = torch.randn(m, 2 * k, device=device) * 3
+    w = torch.randn(24, k, device=device)
+    y = skinny_gemm(gate_up, w, config, gated=True)
+    torch.testing.assert_close(y, torch.nn.functional.linear(silu_and_mul_ref(gate_up), w), **FP32)
+    with pytest.raises(ValueError, match="2K"):
+        skinny_gemm(gate_up[:, :-2], w, config, gated=True)
+
+
+def test_silu_mul_linear_op_falls_back_on_cpu():
+    import pcg_engine.kernels.ops  # noqa: F401
+    from pcg_engine.kernels.activation import silu_and_mul_ref
+    gate_up, w = torch.randn(3, 64), torch.randn(16, 32)
+    torch.testing.assert_close(torch.ops.pcg.silu_mul_linear(gate_up, w),
+                               torch.nn.functional.linear(silu_and_mul_ref(gate_up), w), **FP32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_gated_is_bitwise_the_two_kernel_path(m):
+    # The fused MLP tail must not change a token: same rounding as SiLU-and-mul, then the same GEMM.
+    from pcg_engine.kernels.activation import silu_and_mul
+    gate_up = torch.randn(m, 2 * 3072, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) / 3072 ** 0.5
+    for config in (SkinnyConfig(2, 1024, False), SkinnyConfig(16, 256, True)):
+        torch.testing.assert_close(skinny_gemm(gate_up, w, config, gated=True),
+                                   skinny_gemm(silu_and_mul(gate_up), w, config), rtol=0, atol=0)
