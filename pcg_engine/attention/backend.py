@@ -29,8 +29,10 @@ class AttentionBackend:
         self.cos_sin = cos_sin
         self.scale = scale if scale is not None else head_dim ** -0.5
 
-    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping) -> torch.Tensor:
+    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping, q_norm=None, k_norm=None,
+                          eps: float = 1e-6) -> torch.Tensor:
         """Rotated k and v into kv_cache at slot_mapping [T]; returns rotated q as a new tensor.
+        With q_norm / k_norm [D], q and k get the per-head RMSNorm first (Qwen3's q_norm, k_norm).
         Captured inside the piecewise graphs: it must read no per-step host value."""
         raise NotImplementedError
 

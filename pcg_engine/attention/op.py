@@ -2,7 +2,8 @@
 
 Each layer makes two calls (registered as custom_ops.py describes, so Dynamo keeps each one node):
 
-  q_rot = pcg::rope_kv_write(q, k, v, positions, kv_cache)   RoPE on q and k; k, v into the cache
+  q_rot = pcg::rope_kv_write(q, k, v, positions, kv_cache, q_norm, k_norm, eps)
+                                           q/k norm and RoPE on q and k; k, v into the cache
   pcg::attention(q_rot, kv_cache, out)                        paged attention into `out`
 
 Only `pcg::attention` is a splitting op. The KV write stays inside the piece before it, so in
@@ -35,15 +36,18 @@ from pcg_engine.custom_ops import pcg_op
 SPLITTING_OPS = ["pcg::attention"]
 
 
-def _rotated_like(q, k, v, positions, kv_cache):
+def _rotated_like(q, k, v, positions, kv_cache, q_norm=None, k_norm=None, eps=1e-6):
     return q.new_empty(q.shape)
 
 
-@pcg_op("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor(a!) kv_cache) -> Tensor",
+@pcg_op("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor(a!) kv_cache, "
+        "Tensor? q_norm=None, Tensor? k_norm=None, float eps=1e-6) -> Tensor",
         fake=_rotated_like)
-def rope_kv_write(q, k, v, positions, kv_cache):
+def rope_kv_write(q, k, v, positions, kv_cache, q_norm=None, k_norm=None, eps=1e-6):
     """q [T, Hq, D], k and v [T, Hk, D] (last dim contiguous), positions [T] -> rotated q [T, Hq, D];
-    rotated k and v written into kv_cache [2, NB, BS, Hk, D] at the step's slot mapping."""
+    rotated k and v written into kv_cache [2, NB, BS, Hk, D] at the step's slot mapping.
+    q_norm, k_norm [D]: Qwen3's per-head RMSNorm of q and k, applied first (in the same launch on
+    the Triton backend)."""
     context = get_forward_context()
     meta = context.metadata
     if meta is None:
@@ -53,7 +57,7 @@ def rope_kv_write(q, k, v, positions, kv_cache):
             raise RuntimeError("rope_kv_write captured without metadata: the KV write would be missing "
                                "from the graph (capture with padding metadata, see compile/setup.py)")
         return q.clone()
-    return context.backend.rope_and_write_kv(q, k, v, positions, kv_cache, meta.slot_mapping)
+    return context.backend.rope_and_write_kv(q, k, v, positions, kv_cache, meta.slot_mapping, q_norm, k_norm, eps)
 
 
 def _no_output(q, kv_cache, out) -> None:

@@ -1,5 +1,10 @@
 """Fused RoPE + paged KV write: one launch rotates q and k and stores k, v into the cache.
 
+With q_norm / k_norm weights, the launch also applies Qwen3's per-head RMSNorm to q and k before
+rotating them (two launches fewer per layer: 56 of ~350 kernels of a Qwen3-0.6B decode step). The
+norm rounds like kernels/norm.py's kernel and the reference: normalise in fp32, round to the
+input's dtype, scale by the weight, round again; RoPE then reads that rounded value.
+
 Unfused, this is four kernels (rotate q, rotate k, write k, write v) and two temporaries per
 layer per step; fused, each token's q, k and v are read once and written once. The grid is one
 program per flat token (T, a bucket value), and nothing is read back to the host, so the launch
@@ -17,15 +22,26 @@ import triton.language as tl
 
 
 @triton.jit
+def _head_rms_norm(x1, x2, w_ptr, d, eps, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """RMSNorm of each row [heads, HEAD_DIM] given as its two halves (fp32), rounded as norm.py does."""
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+    y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
 def _rope_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q_out_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, cache_ptr, q_out_ptr, qn_ptr, kn_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_cs,
     stride_c_kv, stride_c_blk, stride_c_tok, stride_c_h,
-    max_pos,
+    max_pos, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
 ):
     t = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -44,6 +60,8 @@ def _rope_kv_kernel(
     src = q_ptr + t * stride_qt + hq * stride_qh + d[None, :]
     x1 = tl.load(src, mask=mq, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mq, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _head_rms_norm(x1, x2, qn_ptr, d, eps, q_ptr.dtype.element_ty, HEAD_DIM, HALF)
     dst = q_out_ptr + t * stride_ot + hq * stride_oh + d[None, :]
     out_ty = q_out_ptr.dtype.element_ty
     tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mq)
@@ -62,6 +80,8 @@ def _rope_kv_kernel(
     src = k_ptr + t * stride_kt + hk * stride_kh + d[None, :]
     x1 = tl.load(src, mask=mk, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mk, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _head_rms_norm(x1, x2, kn_ptr, d, eps, k_ptr.dtype.element_ty, HEAD_DIM, HALF)
     # Round to k's own dtype first, like the reference (apply_rope then write_kv's cast).
     k_ty = k_ptr.dtype.element_ty
     r1 = (x1 * cos - x2 * sin).to(k_ty).to(cache_ty)
@@ -77,13 +97,17 @@ def _rope_kv_kernel(
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      q_out: torch.Tensor | None = None) -> torch.Tensor:
+                      q_out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                      k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hk, D] (last dim contiguous; rows may be strided views of a fused
     qkv), positions [T], slot_mapping [T]; kv_cache [2, NB, BS, Hk, D].
 
     Writes rotated k and v into kv_cache and returns rotated q (into q_out [T, Hq, D] if given,
     which may be q itself: each element is read before it is written by the same program).
+    q_norm, k_norm [D] (both or neither): per-head RMSNorm of q and k (eps) before the rotation.
     """
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm, k_norm: give both per-head norm weights or neither")
     T, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
@@ -95,13 +119,14 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         return q_out
     _rope_kv_kernel[(T,)](
         q, k, v, positions, cos_sin, slot_mapping, kv_cache, q_out,
+        q if q_norm is None else q_norm, k if k_norm is None else k_norm,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        cos_sin.shape[0],
+        cos_sin.shape[0], eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HQ_PAD=triton.next_power_of_2(num_heads), HK_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], NORM=q_norm is not None,
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
     )
     return q_out

@@ -10,6 +10,7 @@ import torch
 
 from pcg_engine.attention.backend import AttentionBackend
 from pcg_engine.attention.rope import apply_rope
+from pcg_engine.kernels.norm import rms_norm_ref
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -55,8 +56,11 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     cuda_graph_safe = False
 
-    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping) -> torch.Tensor:
+    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping, q_norm=None, k_norm=None,
+                          eps: float = 1e-6) -> torch.Tensor:
         # Plain tensor ops reading nothing from the host, so this half is capturable too.
+        if q_norm is not None:
+            q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
         write_kv(apply_rope(k, positions, self.cos_sin), v, kv_cache, slot_mapping)
         return apply_rope(q, positions, self.cos_sin)
 

@@ -51,12 +51,14 @@ class TritonAttentionBackend(AttentionBackend):
         splits = self.num_splits(meta) if split_kv else 1
         return kernel_variant(self.num_heads, self.num_kv_heads, self.head_dim, meta.max_query_len, splits)
 
-    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping) -> torch.Tensor:
+    def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping, q_norm=None, k_norm=None,
+                          eps: float = 1e-6) -> torch.Tensor:
         # Inside the piecewise graphs: the grid is T (the bucket) and slot_mapping a view of the
         # runner's static buffer, so a replay reads this step's slots. The rotated q is a new
         # tensor (graph memory in a piece); writing it into the attention's `out` would make that
         # buffer both the op's input and its mutated output.
-        return rope_and_write_kv(q, k, v, positions, self.cos_sin, kv_cache, slot_mapping)
+        return rope_and_write_kv(q, k, v, positions, self.cos_sin, kv_cache, slot_mapping, q_norm=q_norm,
+                                 k_norm=k_norm, eps=eps)
 
     def forward(self, q, out, kv_cache, meta: AttentionMetadata) -> None:
         # The eager part of a piecewise step, once per layer: keep the Python short. The split

@@ -47,17 +47,16 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(h)
         T = h.shape[0]
-        # Per-head RMSNorm: normalise each head_dim slice (a view of [T * heads, head_dim]).
-        # The results are head-shaped [T, heads, head_dim] here, inside the compiled pieces, so the
-        # eager path between pieces reshapes nothing.
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
-        # v stays a strided view of the fused qkv output (its last dim is contiguous, which is all
-        # the backends need): a .contiguous() here was one copy kernel per layer per step.
+        # q, k, v stay head-shaped strided views of the fused qkv output (their last dim is
+        # contiguous, which is all the backends need): no copy kernel per layer.
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        # Two ops (attention/op.py): the RoPE + KV write stays in the compiled piece (and in its CUDA
-        # graph); only the attention op splits the graph and runs eagerly between pieces.
-        q = torch.ops.pcg.rope_kv_write(q, k, v, positions, self.kv_cache)
+        # Two ops (attention/op.py). The first applies the per-head q/k RMSNorm, RoPE and the KV
+        # write in one launch and stays in the compiled piece (and its CUDA graph); only the
+        # attention op splits the graph and runs eagerly between pieces.
+        q = torch.ops.pcg.rope_kv_write(q, k, v, positions, self.kv_cache, self.q_norm.weight,
+                                        self.k_norm.weight, self.q_norm.eps)
         out = torch.empty_like(q)
         torch.ops.pcg.attention(q, self.kv_cache, out)
         out = out.view(T, self.q_size)

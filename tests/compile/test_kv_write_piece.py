@@ -15,9 +15,9 @@ def _record_writes(monkeypatch, runner):
     calls = []
     real = runner.backend.rope_and_write_kv
 
-    def record(q, k, v, positions, kv_cache, slot_mapping):
+    def record(q, k, v, positions, kv_cache, slot_mapping, *norms):
         calls.append((kv_cache.data_ptr(), slot_mapping.data_ptr(), slot_mapping.shape[0], q.shape[0]))
-        return real(q, k, v, positions, kv_cache, slot_mapping)
+        return real(q, k, v, positions, kv_cache, slot_mapping, *norms)
     monkeypatch.setattr(runner.backend, "rope_and_write_kv", record)
     return calls
 

@@ -70,3 +70,28 @@ def test_rope_kv_in_place_and_new_tensor():
     q_in = q.clone()
     rope_and_write_kv(q_in, k, v, positions, cos_sin, cache, slots, q_out=q_in)  # in place
     torch.testing.assert_close(q_in, ref_q, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T,Hq,Hk,D,dtype,num_pad,fused", [
+    (7, 4, 2, 32, torch.float32, 2, True),
+    (5, 2, 2, 64, torch.bfloat16, 1, True),
+    (3, 3, 1, 32, torch.float16, 0, False),
+])
+def test_rope_kv_with_head_norm_matches_norm_then_reference(T, Hq, Hk, D, dtype, num_pad, fused):
+    from pcg_engine.kernels.norm import rms_norm_ref
+    q, k, v, positions, cos_sin, slots, cache = _case(T, Hq, Hk, D, dtype, 4, 8, num_pad, fused)
+    q_norm = (torch.rand(D, device=DEVICE) + 0.5).to(dtype)
+    k_norm = (torch.rand(D, device=DEVICE) + 0.5).to(dtype)
+    ref_cache = cache.clone()
+    qn, kn = rms_norm_ref(q, q_norm, 1e-6), rms_norm_ref(k, k_norm, 1e-6)
+    ref_q = apply_rope(qn, positions, cos_sin)
+    write_kv(apply_rope(kn, positions, cos_sin), v, ref_cache, slots)
+
+    got = rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots, q_norm=q_norm, k_norm=k_norm, eps=1e-6)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got, ref_q, **tol)
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], **tol)
+    # The norm really ran: without it the rotated q differs.
+    assert not torch.allclose(got.float(), apply_rope(q, positions, cos_sin).float(), atol=1e-3)
+    with pytest.raises(ValueError, match="both"):
+        rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots, q_norm=q_norm)
