@@ -7,7 +7,7 @@
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b M=/tmp/mb HOME=/tmp/hb TORCHINDUCTOR_CACHE_DIR=/tmp/ib bash scripts/gpu_session.sh ...
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
-# ttft (issue 5's 1/8/32 x 512),
+# ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0),
 # p4 (host overhead), overhead (the overhead table), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
@@ -29,6 +29,8 @@ part() {
     tests) timeout $(lim 240) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
     p1) timeout $(lim 180) $B latency --model $(model qwen3-0.6b) --modes eager,full_decode,piecewise,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06.json 2>&1 | tail -12 ;;
+    p1_noskinny) PCG_SKINNY_GEMM=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
+          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_noskinny.json 2>&1 | tail -7 ;;   # the A/B of the skinny GEMM
     p5) timeout $(lim 150) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json 2>&1 | tail -8 ;;
     load8b) timeout $(lim 90) $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
     p1_8b) timeout $(lim 240) $B latency --model $(model qwen3-8b) --modes eager,full_decode,piecewise,full_and_piecewise --num-iters 2 \
