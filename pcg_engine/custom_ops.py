@@ -20,6 +20,9 @@ overload, so the name stays callable.
 import torch
 
 _LIB = torch.library.Library("pcg", "FRAGMENT")
+# op overload -> its Python kernel: the split module calls the attention kernel directly between
+# the pieces (compile/backend.py), since outside any trace the dispatcher only forwards to it.
+KERNELS: dict = {}
 
 
 def pcg_op(schema: str, fake):
@@ -30,5 +33,14 @@ def pcg_op(schema: str, fake):
         _LIB.define(schema)
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
         torch.library.register_fake(f"pcg::{name}", fake, lib=_LIB)
-        return getattr(torch.ops.pcg, name).default
+        overload = getattr(torch.ops.pcg, name).default
+        KERNELS[overload] = fn
+        return overload
     return register
+
+
+def python_kernel(target):
+    """The Python kernel of a pcg op (overload or packet), or None for any other target."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    return KERNELS.get(target)

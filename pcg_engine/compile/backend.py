@@ -5,7 +5,9 @@ graph. With `split=True` the graph is cut at the splitting ops (`split.py`); the
 inputs come from running the split graph on Dynamo's fake inputs through an FX interpreter, and each
 piece is compiled by Inductor for the general symbolic shape. Pieces with the same structure and
 input metadata share one compiled artifact. `wrap_piece` (CUDA graphs) wraps every compiled piece.
-With `split=False` the whole graph goes to Inductor as one piece (mode 'compile').
+With `split=False` the whole graph goes to Inductor as one piece (mode 'compile'). The splitting-op
+submodules run eagerly between the pieces; `eager_call` turns each into a direct call of the op's
+Python kernel, the least host work per layer.
 
 What the counters mean: `dynamo_traces` counts backend invocations (one per Dynamo trace; a second
 one means a retrace), `inductor_compiles` the pieces actually handed to Inductor, `reuses` the
@@ -13,6 +15,7 @@ pieces that took another piece's artifact.
 """
 
 import contextlib
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pcg_engine.compile.split import Submodule, piece_key, split_graph
+from pcg_engine.custom_ops import python_kernel
 
 
 @dataclass
@@ -82,6 +86,29 @@ def _fake_inputs(gm, example_inputs):
     return fake_mode, fakes
 
 
+def eager_call(gm: torch.fx.GraphModule):
+    """What the split module calls for a splitting-op submodule, which runs eagerly once per layer
+    per step: the op's Python kernel itself when the submodule is one call of a pcg op on its inputs
+    that returns nothing (the dispatcher, nn.Module.__call__ and GraphModule's call wrapper each cost
+    µs of host time and, outside a trace, only forward to that kernel); else the graph's code."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    calls = [n for n in nodes if n.op == "call_function"]
+    if len(calls) != 1 or len(nodes) != len(placeholders) + 2:
+        return gm.forward
+    call, output = calls[0], nodes[-1]
+    kernel = python_kernel(call.target)
+    if (kernel is None or call.kwargs or len(call.args) < 2 or output.args != ((),)
+            or any(a not in placeholders for a in call.args)):
+        return gm.forward
+    pick = operator.itemgetter(*(placeholders.index(a) for a in call.args))
+
+    def run(*inputs):
+        kernel(*pick(inputs))
+        return ()
+    return run
+
+
 class PcgBackend:
     def __init__(self, splitting_ops=None, split: bool = True, wrap_piece=None, compile_piece=None,
                  on_split=None):
@@ -139,9 +166,7 @@ class PcgBackend:
             split.__dict__[sub.name] = runner
         for sub in subs:
             if sub.is_splitting_op:
-                # Attention runs eagerly once per layer per step: call its graph's code directly,
-                # skipping nn.Module.__call__ and GraphModule's call wrapper (µs of host time each).
-                split.__dict__[sub.name] = sub.graph_module.forward
+                split.__dict__[sub.name] = eager_call(sub.graph_module)
         if self.on_split is not None:
             self.on_split(split, subs, fakes)
         return split

@@ -74,7 +74,7 @@ def test_piece_key_ignores_names_not_structure():
     assert piece_key(gf, args) != piece_key(gf, [torch.randn(3, 4, dtype=torch.float64), args[1]])
 
 
-def test_split_graph_on_a_plain_fx_graph():
+def _plain_split():
     import pcg_engine.attention.op  # noqa: F401
 
     def model(q, positions):
@@ -90,5 +90,41 @@ def test_split_graph_on_a_plain_fx_graph():
         return q
 
     gm = torch.fx.symbolic_trace(model)
-    split, subs = split_graph(gm, ["pcg::attention"])
+    return split_graph(gm, ["pcg::attention"])[1]
+
+
+def test_split_graph_on_a_plain_fx_graph():
+    subs = _plain_split()
     assert len(subs) == 7 and sum(s.is_splitting_op for s in subs) == 3
+
+
+def test_attention_submodules_run_as_direct_kernel_calls(dense_piecewise):
+    """Between pieces the split module calls the attention kernel itself (no dispatcher, no
+    GraphModule call), with the submodule's inputs in the op's argument order."""
+    from pcg_engine.attention.context import ForwardContext, set_forward_context
+    from pcg_engine.compile.backend import eager_call
+
+    backend = dense_piecewise.forward_fn.backend
+    for sub in backend.submodules:
+        runner = backend.split_module.__dict__[sub.name]
+        direct = getattr(runner, "__qualname__", "").startswith("eager_call.")
+        assert direct == sub.is_splitting_op
+
+    calls = []
+
+    class Recorder:
+        def forward(self, q, out, kv_cache, meta):
+            calls.append((q, out, kv_cache, meta))
+
+    sub = _plain_split()[1]
+    run = eager_call(sub.graph_module)
+    assert run is not sub.graph_module.forward
+    names = [n.name for n in sub.graph_module.graph.nodes if n.op == "placeholder"]
+    inputs = [torch.full((1,), float(i)) for i in range(len(names))]
+    meta = object()
+    with set_forward_context(ForwardContext(meta, [], Recorder())):
+        assert run(*inputs) == ()
+    (q, out, cache, seen_meta), = calls
+    (node,) = [n for n in sub.graph_module.graph.nodes if n.op == "call_function"]
+    expected = [inputs[names.index(a.name)] for a in node.args]
+    assert all(got is want for got, want in zip((q, cache, out), expected)) and seen_meta is meta
