@@ -1,16 +1,19 @@
 """Micro-benchmark of the fused kernels on a CUDA GPU: one table, optionally a JSON file.
 
-    python scripts/bench_kernels.py [--json PATH]
+    python scripts/bench_kernels.py [--json PATH] [--only attention] [--attention-sweep none|quick|full]
 
 Memory-bound kernels (add+RMSNorm, SiLU-and-mul) are measured against the copy ceiling, the fused
 MoE against the time to read its active experts' weights once at that ceiling (its floor for
 small batches) and against the per-expert PyTorch loop it replaces. Times are GPU times from
 CUDA-graph replays with the L2 flushed before every call (see time_us): what a graphed step sees.
+Attention rotates input sets instead (AttentionShape: no call finds its KV in L2) and ends with
+a sweep of decode launch variants (sweep_rows), each row checked against the torch reference.
 """
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -144,21 +147,149 @@ def moe_tile_sweep(x, w13, w2, topk_weights, topk_ids, floor, table_us):
     return rows
 
 
-def attention_rows():
-    # ---- HOOK: attention rows ------------------------------------------------------------------
-    # pcg_engine/attention/triton_attention.py owns its benchmark shapes (decode 64 x ctx 2048,
-    # 1 x ctx 8192, prefill 4 x 2048) through attention_bench_rows(); its rows come back as
-    # (name, shape, us, "<rate> GB/s" | "<rate> TFLOP/s"), timed eagerly by that module.
-    try:
-        from pcg_engine.attention.triton_attention import attention_bench_rows
-    except ImportError as e:
-        print(f"attention rows skipped: {e}")  # TODO: add them once the module provides the hook
-        return []
-    rows = []
-    for name, shape, us, rate in attention_bench_rows("cuda", DTYPE):
-        value, unit = rate.split(" ", 1)
-        per_us = float(value) * us * (1e3 if unit == "GB/s" else 1e6)  # back to bytes / flops
-        rows.append(row(name, shape, us, per_us, unit))
+# ---- attention: unified_attention at the issue's shapes, and the decode launch-variant sweep ----
+
+ATTN_D, ATTN_BS = 128, 16
+# Decode launch variants (tile_n, num_warps, num_stages) the sweep times, each with the split
+# partials merged by a second kernel and by the main kernel's last program ("fused/16": fused_merge,
+# 16 floats a thread a merge load; the first four also with 32). sm_90 registers / shared memory of
+# the split kernel (ptxas, 4 warps): n64 s2 134 regs 38 KB (fused/16: 104), n32 s4 and n16 s4
+# 72-96 regs 13-21 KB, n128 s2 ~129 regs 72 KB: 3, 4, 5-7 and 3 programs an SM.
+SWEEP_TILES = ((64, 4, 2), (64, 4, 3), (32, 4, 4), (16, 4, 4), (64, 8, 2), (128, 4, 2), (128, 8, 1))
+SWEEP_SPLITS = (16, 32, 48, 64)  # 48 x 8 kv heads: one wave at 3 programs an SM
+
+
+class AttentionShape:
+    """Rotated input sets of one decode/prefill shape: consecutive calls in a graph use different
+    sets, so none finds its KV in L2 (48+ MB between reuses); block tables are random permutations."""
+
+    def __init__(self, batch, ctx, qlen, Hq, Hk, device="cuda"):
+        self.batch, self.ctx, self.qlen, self.Hq, self.Hk, self.device = batch, ctx, qlen, Hq, Hk, device
+        self.kv_bytes = 2 * batch * ctx * Hk * ATTN_D * 2
+        self.sets = [self._inputs() for _ in range(max(1, min(8, 2 + (256 << 20) // self.kv_bytes)))]
+        self.calls = 8 * len(self.sets) if len(self.sets) > 1 else 4
+
+    def _inputs(self):
+        b, dev = self.batch, self.device
+        nblk = b * -(-self.ctx // ATTN_BS)
+        cache = torch.randn(2, nblk + 1, ATTN_BS, self.Hk, ATTN_D, device=dev, dtype=DTYPE)
+        table = (torch.randperm(nblk, device=dev) + 1).view(b, -1).to(torch.int32)
+        qsl = torch.arange(0, b + 1, device=dev, dtype=torch.int32) * self.qlen
+        lens = torch.full((b,), self.ctx, device=dev, dtype=torch.int32)
+        q = torch.randn(b * self.qlen, self.Hq, ATTN_D, device=dev, dtype=DTYPE)
+        return q, cache, qsl, lens, table, torch.empty_like(q)
+
+    def call(self, i, splits, tuning=None):
+        from pcg_engine.attention.triton_attention import unified_attention
+        q, cache, qsl, lens, table, out = self.sets[i % len(self.sets)]
+        unified_attention(q, cache, out, qsl, lens, table, self.batch, self.qlen, ATTN_D ** -0.5, splits,
+                          tuning=tuning)
+
+    def time_us(self, splits, tuning=None):
+        """GPU time a call: `calls` calls captured in one CUDA graph, median of replays."""
+        def run():
+            for i in range(self.calls):
+                self.call(i, splits, tuning)
+        run()  # compile, and allocate the split buffers / merge counters outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        for _ in range(3):
+            graph.replay()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del graph
+        return sorted(times)[len(times) // 2] * 1e3 / self.calls
+
+    def error(self, splits, tuning=None):
+        """Relative error of set 0 against the torch reference, fresh eager call on a poisoned out
+        (on the GPU: the fused merge's cross-program ordering is checked only here)."""
+        from pcg_engine.attention.torch_backend import paged_attention_reference
+        q, cache, qsl, lens, table, out = self.sets[0]
+        if not hasattr(self, "_ref"):
+            self._ref = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            paged_attention_reference(q, cache, qsl.cpu(), lens.cpu(), table, ATTN_D ** -0.5, self._ref)
+        out.fill_(float("nan"))
+        self.call(0, splits, tuning)
+        err = (out.float() - self._ref).norm() / self._ref.norm()
+        return float(err) if torch.isfinite(out).all() else float("inf")
+
+    def decode_row(self, kernel, splits, tuning=None, note=""):
+        us = self.time_us(splits, tuning)
+        err = self.error(splits, tuning)
+        if err > 2e-2:
+            note = f"WRONG (rel. error {err:.1e}) {note}"
+        nbytes = self.kv_bytes + 2 * self.batch * self.Hq * ATTN_D * 2
+        return row(kernel, f"B{self.batch} ctx{self.ctx} Hq{self.Hq} Hk{self.Hk} D{ATTN_D}", us, nbytes, "GB/s", note)
+
+
+def attention_rows(sweep="quick"):
+    """The engine's own choices (split count from choose_num_splits, module tunings) at the targets'
+    shapes, prefill, then the split-decode sweep (`sweep_rows`)."""
+    from pcg_engine.attention.triton_attention import choose_num_splits
+    rows, shapes = [], {}
+    for batch, ctx, Hq, Hk in ((64, 2048, 16, 8), (64, 2048, 32, 8), (1, 8192, 16, 8), (1, 8192, 32, 8)):
+        shape = shapes[batch, Hq] = AttentionShape(batch, ctx, 1, Hq, Hk)
+        splits = choose_num_splits(batch, batch, Hq, Hk, ATTN_D, 1, ctx, torch.device("cuda"))
+        rows.append(shape.decode_row(f"decode_attention splits={splits}", splits, note="engine default"))
+    for batch, ctx, Hq, Hk in ((4, 2048, 16, 8), (4, 2048, 32, 8)):
+        shape = AttentionShape(batch, ctx, ctx, Hq, Hk)
+        us = shape.time_us(1)
+        rows.append(row("prefill_attention", f"B{batch} len{ctx} Hq{Hq} Hk{Hk} D{ATTN_D}", us,
+                        4 * batch * Hq * ATTN_D * ctx * (ctx + 1) / 2, "TFLOP/s"))
+        del shape
+    if sweep != "none":
+        rows += sweep_rows(shapes, full=sweep == "full")
+    return rows
+
+
+def sweep_rows(shapes, full=False):
+    """Decode launch variants, for the lead to pick the module defaults from (issue 4: B1 x 8192
+    must reach 70% of the copy ceiling). B1 Hq16 gets every (tiles, merge, splits); B1 Hq32 and
+    B64 x 2048 (no split there: only the tiles matter) the three best of it and the default, so
+    that the run stays near a minute (each variant is a compile), unless full."""
+    from pcg_engine.attention.triton_attention import DecodeTuning
+    rows, t0 = [], time.perf_counter()
+
+    def label(t):
+        merge = f" fused/{t.merge_per_thread}" if t.fused_merge else ""
+        return f"n{t.tile_n} w{t.num_warps} s{t.num_stages}{merge}"
+
+    def sweep(shape, tunings, splits_list):
+        found = []
+        for t in tunings:
+            for splits in splits_list:
+                try:
+                    r = shape.decode_row(f"decode sweep {label(t)}", splits, t, note=f"splits={splits}")
+                except Exception as e:  # a variant that does not fit (shared memory) is a finding
+                    print(f"attention sweep {label(t)} splits={splits}: {e!r}")
+                    continue
+                rows.append(r)
+                if not r["note"].startswith("WRONG"):
+                    found.append((r["us"], t, splits, r))
+        found.sort(key=lambda f: f[0])
+        if found:
+            found[0][3]["note"] += "  <- fastest here"
+        return found
+
+    default = DecodeTuning()
+    every = [DecodeTuning(*tiles, fused) for tiles in SWEEP_TILES for fused in (False, True)]
+    every += [DecodeTuning(*tiles, True, 32) for tiles in SWEEP_TILES[:4]]  # fewer, larger merge loads
+    best = sweep(shapes[1, 16], every, SWEEP_SPLITS)
+    top = list(dict.fromkeys([f[1] for f in best[:3]] + [default]))
+    top_splits = sorted({f[2] for f in best[:3]} | {32, 64})
+    sweep(shapes[1, 32], every if full else top, SWEEP_SPLITS if full else top_splits)
+    split_free = list(dict.fromkeys(t._replace(fused_merge=False, merge_per_thread=16)
+                                    for t in (every if full else top)))
+    sweep(shapes[64, 16], split_free, (1,))
+    print(f"attention sweep: {len(rows)} variants in {time.perf_counter() - t0:.0f} s")
     return rows
 
 
@@ -182,15 +313,22 @@ def print_table(rows, title):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write every row and the versions here")
+    parser.add_argument("--only", metavar="SECTIONS", default="norm,activation,moe,attention",
+                        help="comma-separated sections to run (default: all)")
+    parser.add_argument("--attention-sweep", choices=("none", "quick", "full"), default="quick",
+                        help="decode launch variants (attention section): quick ~1 min, full every "
+                             "variant at every shape")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device here; these kernels are benchmarked on a GPU. Nothing measured.")
         return 0
     import triton
     gpu = torch.cuda.get_device_name()
+    sections = dict(norm=norm_rows, activation=activation_rows, moe=moe_rows,
+                    attention=lambda: attention_rows(args.attention_sweep))
     rows = []
-    for section in (norm_rows, activation_rows, moe_rows, attention_rows):
-        rows += section()
+    for name in args.only.split(","):
+        rows += sections[name.strip()]()
         torch.cuda.empty_cache()
     print_table(rows, f"pcg-engine kernels on {gpu} (ceilings: copy {COPY_GBPS / 1e3:.2f} TB/s, "
                       f"bf16 matmul {MATMUL_TFLOPS:.0f} TFLOP/s)")

@@ -16,17 +16,25 @@ what a program does, so the launch is CUDA-graph safe.
 
 Split-KV (flash-decoding): with few programs and long contexts, a third grid axis cuts each
 program's key range into num_splits equal parts computed on the device from seq_len; partial
-results (normalized output + log2-sum-exp) are merged by a second small kernel. The kernels are
-graph-safe for any fixed num_splits; the caller chooses num_splits from host values
-(choose_num_splits), which is why the backend only splits when it is told it is not capturing.
+results (normalized output + log2-sum-exp) are merged by a second small kernel, or, with
+fused_merge, by the last program of each (q-block, kv head) to finish: an atomic arrival counter
+in a persistent per-device int32 buffer (_split_counters) that this program resets to 0, which
+saves a launch and its tail; blocks with no key at all (padding) then skip partials and counter.
+The kernels are graph-safe for any fixed num_splits; the caller chooses num_splits from host
+values (choose_num_splits), which is why the backend only splits when it is told it is not
+capturing.
+
+Decode launch choices (tile size, warps, pipeline stages, fused merge) are a DecodeTuning: one
+module default for steps without split-KV, one for steps with it; scripts/bench_kernels.py sweeps
+them per call (unified_attention's `tuning`) so that one GPU run can pick the defaults.
 
 Compiled variants: Triton compiles one binary per distinct set of constexprs and per
 specialisation class of each integer argument (equal to 1, divisible by 16, other). Every such
 variant a step meets for the first time costs a JIT compile (~0.1-1 s) in the middle of serving,
 so the per-step values stay out of the key: the split count is a runtime argument (only whether
-the step splits, and the merge's power-of-two pad, are constexprs), T, num_reqs and num_splits are
-not specialised, and the partial buffers' token dimension is rounded up to 16 so their strides
-keep one class. What is left, `kernel_variant`, is a handful of tuples that engine/warmup.py
+the step splits, the merge kernel's power-of-two pad and the tuning are constexprs), T, num_reqs
+and num_splits are not specialised, and the partial buffers' token dimension is rounded up to 16
+so their strides keep one class. What is left, `kernel_variant`, is a handful of tuples that engine/warmup.py
 compiles at start-up.
 
 Contract (torch_backend.paged_attention_reference): causal within the chunk, request r's queries
@@ -100,7 +108,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, tile_lo, tile
 # multiply the compiled variants by three each (see the module docstring).
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits"])
 def _unified_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     num_tokens, num_reqs, num_splits, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_tok, stride_c_h, stride_bt,
@@ -108,7 +116,7 @@ def _unified_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, SEARCH: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -118,6 +126,8 @@ def _unified_attention_kernel(
         # Every request has at most one query (<= BLOCK_Q): program pid < R is request pid, the
         # rest cover the padding rows after the last request. No search, so the loads of q,
         # seq_len and the block table do not wait on one another.
+        if FUSED_MERGE and pid >= num_reqs and split > 0:
+            return  # padding rows have no keys: split 0 alone zeroes them, without a load here
         r = tl.minimum(pid, num_reqs)
     else:
         # r = the largest request in [0, num_reqs] whose first virtual q-block id
@@ -169,6 +179,13 @@ def _unified_attention_kernel(
         t_lo = 0
         t_hi = num_tiles
 
+    if FUSED_MERGE:
+        if kv_end == 0:  # no key for any row (padding, seq_len 0): zeros, no partials, no counter
+            if split == 0:
+                dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+                tl.store(dst, tl.zeros((BLOCK_M, HEAD_DIM), out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            return
+
     k_base = cache_ptr + kvh * stride_c_h
     v_base = k_base + stride_c_kv
     bt_row = bt_ptr + tl.minimum(r, num_reqs - 1).to(tl.int64) * stride_bt
@@ -188,12 +205,68 @@ def _unified_attention_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        if FUSED_MERGE:  # the merging program reads only the splits that have keys
+            keep = row_ok & (t_lo + offs_m * 0 < t_hi)  # (a vector compare: the interpreter wants one)
+        else:  # the merge kernel reads every split
+            keep = row_ok
         prow = split * stride_ps + tok * stride_pt + head * stride_ph
-        tl.store(part_out_ptr + prow[:, None] + d[None, :], o, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+        tl.store(part_out_ptr + prow[:, None] + d[None, :], o, mask=keep[:, None])
+        tl.store(part_lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=keep)
+        if FUSED_MERGE:
+            # The last of the num_splits programs of this (q-block, kv head) to arrive merges.
+            # The barrier orders every thread's partial stores before the one-thread release
+            # (the pattern CUTLASS's semaphores use); acq_rel makes them visible to that last
+            # program. It resets the counter, so the buffer is all zeros again after the launch.
+            tl.debug_barrier()
+            cnt = counter_ptr + pid * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+                per_split = tl.cdiv(num_tiles, num_splits)
+                _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, q_begin + j * BLOCK_Q,
+                                tl.minimum(q_len - j * BLOCK_Q, BLOCK_Q), kvh * GROUP,
+                                tl.cdiv(num_tiles, per_split),
+                                stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+                                GROUP, GROUP_PAD, HEAD_DIM, MERGE_CHUNK)
     else:
         dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, tok0, n_tok, head0, used,
+                    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    MERGE_CHUNK: tl.constexpr):
+    """out rows (tok0 .. tok0+n_tok) x (head0 .. head0+GROUP) from the `used` splits that have
+    keys, MERGE_CHUNK splits a load. A plain loop, small chunks: the kernel's register count is
+    its largest part's, so a merge that held all partials at once would cut the occupancy of
+    the main loop (an unrolled one made ptxas use 255 registers and spill; see kernel_variant).
+    .cg reads them from L2, where the other programs wrote them, never from this SM's L1."""
+    s = tl.arange(0, MERGE_CHUNK)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    g_ok = g < GROUP
+    for t in range(0, n_tok):
+        tok = (tok0 + t).to(tl.int64)
+        m = tl.full((GROUP_PAD,), -1e30, tl.float32)
+        w_sum = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+        for c in range(0, used, MERGE_CHUNK):
+            ok = ((c + s) < used)[:, None] & g_ok[None, :]
+            lse = tl.load(part_lse_ptr + (c + s)[:, None] * stride_ls + tok * stride_lt + head0 + g[None, :],
+                          mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(part_out_ptr + (c + s)[:, None, None] * stride_ps + tok * stride_pt
+                        + (head0 + g)[None, :, None] * stride_ph + d[None, None, :],
+                        mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(lse, 0))  # stays finite: an empty split weighs exp2(-inf) = 0
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new[None, :])
+            w_sum = w_sum * alpha + tl.sum(w, 0)
+            acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+            m = m_new
+        res = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+        tl.store(out_ptr + tok * stride_ot + (head0 + g)[:, None] * stride_oh + d[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -226,13 +299,30 @@ def host_next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _tile_config(head_dim: int, group: int, max_query_len: int):
+class DecodeTuning(NamedTuple):
+    """Launch choices of a decode step (max_query_len <= 1), one set for steps without split-KV
+    and one with it (module defaults below; unified_attention's `tuning` overrides them, which is
+    how scripts/bench_kernels.py sweeps them). head_dim 256 halves tile_n (register budget)."""
+
+    tile_n: int = 64          # keys per loop iteration (>= 16; paged blocks are gathered per token)
+    num_warps: int = 4
+    num_stages: int = 2       # software-pipeline depth of the K/V tile loads
+    fused_merge: bool = False  # split-KV: the last program of each (q-block, kv head) merges
+    merge_per_thread: int = 16  # fp32 partials a thread loads per step of that merge (see below)
+
+
+DECODE_TUNING = DecodeTuning()
+SPLIT_DECODE_TUNING = DecodeTuning()
+SPLIT_PROGRAMS_PER_SM = 4  # choose_num_splits' target (B1 x 8192, Hk 8: 4 -> 64 splits, 2 -> 33)
+
+
+def _tile_config(head_dim: int, group: int, max_query_len: int, tuning: DecodeTuning):
     """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages) from host values fixed per bucket."""
     group_pad = host_next_pow2(group)
     if max_query_len <= 1:  # decode: the GQA group is the M dim, padded to tl.dot's minimum 16
         block_m = max(16, group_pad)
-        tile_n = 64 if head_dim <= 128 else 32
-        return block_m, block_m // group_pad, tile_n, 4, 2
+        tile_n = tuning.tile_n if head_dim <= 128 else max(16, tuning.tile_n // 2)
+        return block_m, block_m // group_pad, tile_n, tuning.num_warps, tuning.num_stages
     cap = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
     block_m = max(group_pad, min(cap, max(16, host_next_pow2(max_query_len) * group_pad)))
     tile_n = 64 if head_dim <= 128 else 32
@@ -255,18 +345,20 @@ def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_hea
                       head_dim: int, max_query_len: int, max_seq_len: int, device) -> int:
     """Splits so that small batches with long contexts still fill the GPU. Host values only;
     max_seq_len changes per step, so a graph-captured step must not use this (pass 1)."""
-    block_m, block_q, tile_n, _, _ = _tile_config(head_dim, num_heads // num_kv_heads, max_query_len)
+    block_m, block_q, _, _, _ = _tile_config(head_dim, num_heads // num_kv_heads, max_query_len,
+                                             SPLIT_DECODE_TUNING)
     busy = min(num_reqs + num_tokens // block_q, num_tokens) * num_kv_heads  # programs with work
     sms = _num_sms(device)
-    tiles = host_cdiv(max_seq_len, tile_n)
+    # in units of the default decode tile, whatever tile the tuning picks
+    tiles = host_cdiv(max_seq_len, 64 if head_dim <= 128 else 32)
     # Split only when the GPU would be under-filled, and only with 8+ key tiles: below that the
     # merge kernel's launch (tens of µs of host time in an eager step, per layer) costs more than
     # the parallelism gains, so batch 1 starts splitting at 512 keys.
     if busy >= sms or tiles < 8:
         return 1
-    # Then aim at ~4 programs per SM, >= 2 tiles a split. Measured on the H200 at batch 1 x 8192
+    # Then aim at SPLIT_PROGRAMS_PER_SM, >= 2 tiles a split. Measured on the H200 at batch 1 x 8192
     # keys (Hq 16, Hk 8): 8 / 16 / 32 / 64 splits ran 37.7 / 25.1 / 20.7 / 17.1 µs.
-    splits = min(host_cdiv(4 * sms, max(busy, 1)), tiles // 2, MAX_SPLITS)
+    splits = min(host_cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(busy, 1)), tiles // 2, MAX_SPLITS)
     return max(1, splits)
 
 
@@ -280,28 +372,58 @@ class KernelVariant(NamedTuple):
     num_warps: int
     num_stages: int
     decode: bool       # max_query_len <= 1: the search-free grid
-    split: bool        # num_splits > 1: partial results and the merge kernel
-    splits_pad: int    # the merge kernel's power-of-two pad of num_splits (0 without split)
+    split: bool        # num_splits > 1: partial results, merged by ...
+    splits_pad: int    # ... the merge kernel's power-of-two pad of num_splits (else 0)
+    fused_merge: bool  # ... the main kernel's last program of each (q-block, kv head), or a kernel
+    merge_chunk: int   # splits a load of that fused merge (0 without it)
 
 
 def kernel_variant(num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
-                   num_splits: int) -> KernelVariant:
+                   num_splits: int, tuning: DecodeTuning | None = None) -> KernelVariant:
     """What unified_attention compiles for these host values (it launches from this very tuple,
-    so the warm-up that enumerates it cannot drift from the kernel)."""
-    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(head_dim, num_heads // num_kv_heads,
-                                                                   max_query_len)
+    so the warm-up that enumerates it cannot drift from the kernel). `tuning` (decode launches,
+    and fused_merge for every split launch) defaults to the module's DecodeTuning for the case."""
     splits = _clamp_splits(num_splits)
+    if tuning is None:
+        tuning = SPLIT_DECODE_TUNING if splits > 1 else DECODE_TUNING
+    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(head_dim, num_heads // num_kv_heads,
+                                                                   max_query_len, tuning)
+    fused = splits > 1 and tuning.fused_merge
+    # Registers: ptxas sizes the whole kernel for its largest part, so a merge chunk larger than
+    # ~16 floats a thread raises the main loop's count and lowers its occupancy (sm_90: 2048 at
+    # 4 warps keeps 104 registers, 4096 gives 134, 8192 spills).
+    per_load = host_next_pow2(tuning.merge_per_thread * 32 * num_warps)
+    merge_chunk = max(1, per_load // (host_next_pow2(num_heads // num_kv_heads) * head_dim)) if fused else 0
     return KernelVariant(block_m, block_q, tile_n, num_warps, num_stages, max_query_len <= 1, splits > 1,
-                         host_next_pow2(splits) if splits > 1 else 0)
+                         host_next_pow2(splits) if splits > 1 and not fused else 0, fused, merge_chunk)
 
 
 def _clamp_splits(num_splits: int) -> int:
     return max(1, min(int(num_splits), MAX_SPLITS))
 
 
+_COUNTERS: dict = {}
+_RETIRED: list = []  # outgrown counter buffers: a captured graph may still point at one
+
+
+def _split_counters(device, n: int) -> torch.Tensor:
+    """Arrival counters of the fused merge, one per (q-block program, kv head): zeros between
+    launches (each launch's merging programs reset theirs), so one buffer per device serves every
+    layer and step. Launches that share it must not overlap: one stream, as the engine runs.
+    A graph capture must not be the call that first needs a larger one (allocation in capture)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                      num_reqs: int, max_query_len: int, scale: float, num_splits: int = 1) -> None:
+                      num_reqs: int, max_query_len: int, scale: float, num_splits: int = 1, *,
+                      tuning: DecodeTuning | None = None) -> None:
     """q, out [T, Hq, D] (last dim contiguous); kv_cache [2, NB, BS, Hk, D]; query_start_loc [>=R+1],
     seq_lens [>=R], block_table [>=R, W] int32 on the device. Writes every row of out."""
     T, num_heads, head_dim = q.shape
@@ -315,7 +437,7 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         out.zero_()
         return
     group = num_heads // num_kv_heads
-    v = kernel_variant(num_heads, num_kv_heads, head_dim, max_query_len, num_splits)
+    v = kernel_variant(num_heads, num_kv_heads, head_dim, max_query_len, num_splits, tuning)
     num_splits = _clamp_splits(num_splits)
     # grid: decode has R request programs, then the padding-row programs (module docstring)
     grid = (host_cdiv(T, v.block_q) + num_reqs + (0 if v.decode else 1), num_kv_heads, num_splits)
@@ -327,19 +449,25 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         part_lse = torch.empty((num_splits, t_pad, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    # Without the fused merge the counter argument is unused: `out` then, which adds no
+    # specialisation class (alignment) of its own.
+    counters = _split_counters(q.device, grid[0] * grid[1]) if v.fused_merge else out
+    group_pad = host_next_pow2(group)
     _unified_attention_kernel[grid](
-        q, kv_cache, out, query_start_loc, seq_lens, block_table, part_out, part_lse,
+        q, kv_cache, out, query_start_loc, seq_lens, block_table, part_out, part_lse, counters,
         T, num_reqs, num_splits, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=host_next_pow2(group), BLOCK_M=v.block_m, BLOCK_Q=v.block_q,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=v.block_m, BLOCK_Q=v.block_q,
         TILE_N=v.tile_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLIT=v.split,
         IEEE=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16), SEARCH=SEARCH_BLOCK,
-        DECODE=v.decode, num_warps=v.num_warps, num_stages=v.num_stages,
+        DECODE=v.decode, FUSED_MERGE=v.fused_merge,
+        MERGE_CHUNK=v.merge_chunk,
+        num_warps=v.num_warps, num_stages=v.num_stages,
     )
-    if v.split:
+    if v.split and not v.fused_merge:
         _merge_splits_kernel[(T, num_heads)](
             part_out, part_lse, out, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -347,62 +475,3 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
             SPLITS_PAD=v.splits_pad, HEAD_DIM=head_dim,
             num_warps=4 if head_dim >= 128 else 2,
         )
-
-
-def attention_bench_rows(device="cuda", dtype=torch.bfloat16):
-    """Times the attention kernels at the shapes the performance targets name (CUDA only).
-
-    Returns rows (name, shape, microseconds per call, throughput string): "GB/s" for decode (KV
-    bytes + q/out bytes over the time; the ceiling is the ~4.25 TB/s copy rate) and "TFLOP/s" for
-    prefill (causal QK^T + PV flops). Device time per call: N calls are captured in one CUDA graph
-    (host launch cost excluded, as in a graphed step) over inputs rotated so that no call finds
-    its KV in L2 (48+ MB between reuses); block tables are random permutations of the blocks.
-    """
-    from triton.testing import do_bench
-
-    rows = []
-    D, bs = 128, 16
-
-    def setup(batch, ctx, qlen, Hq, Hk):
-        nblk = batch * triton.cdiv(ctx, bs)
-        cache = torch.randn(2, nblk + 1, bs, Hk, D, device=device, dtype=dtype)
-        table = (torch.randperm(nblk, device=device) + 1).view(batch, -1).to(torch.int32)
-        qsl = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * qlen
-        lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
-        q = torch.randn(batch * qlen, Hq, D, device=device, dtype=dtype)
-        return q, cache, qsl, lens, table, torch.empty_like(q)
-
-    def time_us(batch, ctx, qlen, Hq, Hk, splits):
-        kv_bytes = 2 * batch * ctx * Hk * D * torch.finfo(dtype).bits // 8
-        sets = [setup(batch, ctx, qlen, Hq, Hk) for _ in range(max(1, min(8, 2 + (256 << 20) // kv_bytes)))]
-        calls = 8 * len(sets) if len(sets) > 1 else 4
-
-        def run():
-            for i in range(calls):
-                q, cache, qsl, lens, table, out = sets[i % len(sets)]
-                unified_attention(q, cache, out, qsl, lens, table, batch, qlen, D ** -0.5, splits)
-
-        run()  # compile, and allocate split buffers outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        us = do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / calls
-        del graph, sets
-        return us
-
-    for batch, ctx, Hq, Hk in ((64, 2048, 16, 8), (64, 2048, 32, 8), (1, 8192, 16, 8), (1, 8192, 32, 8)):
-        splits_auto = choose_num_splits(batch, batch, Hq, Hk, D, 1, ctx, torch.device(device))
-        # Batch 1 misses its target: sweep the split count around the heuristic's choice.
-        sweep = {splits_auto // 4, splits_auto // 2, MAX_SPLITS} if batch == 1 else set()
-        for splits in sorted({1, splits_auto} | {s for s in sweep if 1 < s <= MAX_SPLITS}):
-            us = time_us(batch, ctx, 1, Hq, Hk, splits)
-            nbytes = (2 * batch * ctx * Hk * D + 2 * batch * Hq * D) * (torch.finfo(dtype).bits // 8)
-            rows.append((f"decode_attention splits={splits}", f"B{batch} ctx{ctx} Hq{Hq} Hk{Hk} D{D}", us,
-                         f"{nbytes / us / 1e3:.0f} GB/s"))
-    for batch, ctx, Hq, Hk in ((4, 2048, 16, 8), (4, 2048, 32, 8)):
-        us = time_us(batch, ctx, ctx, Hq, Hk, 1)
-        flops = 4 * batch * Hq * D * ctx * (ctx + 1) / 2
-        rows.append(("prefill_attention", f"B{batch} len{ctx} Hq{Hq} Hk{Hk} D{D}", us,
-                     f"{flops / us / 1e6:.1f} TFLOP/s"))
-    return rows

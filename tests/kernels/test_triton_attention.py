@@ -104,6 +104,70 @@ def test_unified_attention_matches_reference(name, monkeypatch):
             assert (out[meta.query_start_loc_cpu[r]:meta.query_start_loc_cpu[r] + n] == 0).all()
 
 
+# Decode with split-KV under each launch variant the kernel benchmark sweeps (tile sizes, pipeline
+# depth, the merge fused into the main kernel). (specs, padding tokens, block_size, Hq, Hk, D, dtype)
+SPLIT_DECODE_CASES = {
+    # lengths on paged-block (16) and tile boundaries, a padding request, padding rows
+    "bs16": ([(1, 200), (1, 0), (1, 129), (1, 16), (1, 65)], 2, 16, 4, 2, 32, torch.bfloat16),
+    # a GQA group that is not a power of two (3 of 4 padded rows), tiles spanning many paged blocks
+    "bs4_gqa3": ([(1, 100), (1, 0), (1, 33), (1, 1)], 1, 4, 6, 2, 16, torch.float32),
+}
+TUNINGS = [
+    triton_attention.DecodeTuning(64, 4, 2, False),
+    triton_attention.DecodeTuning(64, 4, 2, True),
+    triton_attention.DecodeTuning(16, 4, 4, True),
+    triton_attention.DecodeTuning(32, 8, 3, True, 1),  # merge loads of 4 splits here: several, one partial
+    triton_attention.DecodeTuning(128, 4, 1, True),
+]
+
+
+# Under the interpreter only tile_n and fused_merge change what runs (warps and stages are GPU
+# codegen); 24 splits (above every tile count here) is slow there: one variant covers it.
+SPLIT_DECODE_RUNS = [(t, s) for t in TUNINGS for s in (3, 8)] + [(TUNINGS[1], 2), (TUNINGS[1], 24)]
+
+
+@pytest.mark.parametrize("tuning,splits", SPLIT_DECODE_RUNS,
+                         ids=[f"n{t.tile_n}w{t.num_warps}s{t.num_stages}{'fused' if t.fused_merge else ''}-{s}"
+                              for t, s in SPLIT_DECODE_RUNS])
+@pytest.mark.parametrize("name", list(SPLIT_DECODE_CASES))
+def test_split_decode_variants(name, tuning, splits):
+    specs, pad, bs, Hq, Hk, D, dtype = SPLIT_DECODE_CASES[name]
+    T = len(specs) + pad
+    q, cache, meta = make_batch(specs, T, bs, Hq, Hk, D, dtype)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                      meta.num_reqs, 1, D ** -0.5, num_splits=splits, tuning=tuning)
+    check(out, reference(q, cache, meta, D ** -0.5), 1e-4 if dtype == torch.float32 else 1e-2)
+    assert (out[len(specs):] == 0).all() and (out[[s == 0 for _, s in specs] + [False] * pad] == 0).all()
+    if tuning.fused_merge:  # reset by the merging programs: the next launch (or graph replay) starts at 0
+        assert not triton_attention._COUNTERS[q.device].any(), "a fused merge left a counter set"
+
+
+@pytest.mark.parametrize("name", ["split_decode", "split_mixed"])
+def test_fused_merge_with_prefill_chunks(name):
+    """fused_merge applies to every split launch, q-blocks of several tokens included."""
+    specs, pad, bs, Hq, Hk, D, dtype, splits = CASES[name]
+    T = sum(n for n, _ in specs) + pad
+    q, cache, meta = make_batch(specs, T, bs, Hq, Hk, D, dtype)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table, meta.num_reqs,
+                      meta.max_query_len, D ** -0.5, num_splits=splits + 2,
+                      tuning=triton_attention.DecodeTuning(fused_merge=True))
+    check(out, reference(q, cache, meta, D ** -0.5), 1e-4 if dtype == torch.float32 else 1e-2)
+    assert (out[T - pad:] == 0).all()
+    assert not triton_attention._COUNTERS[q.device].any()
+
+
+def test_kernel_variant_follows_the_tuning():
+    kv = triton_attention.kernel_variant
+    tuned = triton_attention.DecodeTuning(128, 8, 3, True)
+    assert kv(16, 8, 128, 1, 32, tuned)[2:5] == (128, 8, 3) and kv(16, 8, 128, 1, 32, tuned).fused_merge
+    assert not kv(16, 8, 128, 1, 1, tuned).fused_merge                        # no split, nothing to merge
+    assert kv(16, 8, 256, 1, 32, tuned).tile_n == 64                          # head_dim 256 halves the tile
+    assert kv(16, 8, 128, 7, 32, tuned)[2:5] == kv(16, 8, 128, 7, 32)[2:5]    # prefill tiles: not tuned
+    assert kv(16, 8, 128, 1, 32) == kv(16, 8, 128, 1, 32, triton_attention.SPLIT_DECODE_TUNING)
+
+
 def backend_step(backend, q, k, v, positions, out, cache, meta):
     """What one layer's two ops do (attention/op.py): RoPE + KV write, then attention into out."""
     T, D = q.shape[0], backend.head_dim
@@ -162,6 +226,39 @@ def test_gpu_real_shapes(name, specs, Hq, Hk, dtype, splits):
     unified_attention(q, cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
                       meta.num_reqs, meta.max_query_len, D ** -0.5, num_splits=splits)
     check(out, reference(q, cache, meta, D ** -0.5), 1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq", [16, 32])
+@pytest.mark.parametrize("tuning", [t for t in TUNINGS if t.fused_merge] + [TUNINGS[1]._replace(num_warps=8)],
+                         ids=lambda t: f"n{t.tile_n}w{t.num_warps}s{t.num_stages}")
+def test_gpu_fused_merge_repeated_and_replayed(Hq, tuning):
+    """The fused merge's cross-program ordering (release by each split, acquire by the last) can
+    only fail on a GPU, and only now and then: many eager calls, then a CUDA graph replayed on new
+    data (the counters must be back at zero after every launch)."""
+    Hk, D, bs, dtype = 8, 128, 16, torch.bfloat16
+    specs = [(1, 8192), (1, 3000), (1, 0), (1, 16)]
+    q, cache, meta = make_batch(specs, len(specs) + 2, bs, Hq, Hk, D, dtype)
+    ref = reference(q, cache, meta, D ** -0.5)
+    out = torch.empty_like(q)
+
+    def call(splits):
+        unified_attention(q, cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                          meta.num_reqs, 1, D ** -0.5, num_splits=splits, tuning=tuning)
+    for i in range(60):
+        out.fill_(float("nan"))
+        call((16, 33, 64)[i % 3])
+        check(out, ref, 1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(64)
+    for _ in range(20):
+        cache.copy_(torch.randn_like(cache, dtype=torch.float32).to(dtype))
+        q.copy_(torch.randn_like(q, dtype=torch.float32).to(dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        check(out, reference(q, cache, meta, D ** -0.5), 1e-2)
+    assert not triton_attention._COUNTERS[q.device].any()
 
 
 @pytest.mark.gpu
