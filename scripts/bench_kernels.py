@@ -152,10 +152,17 @@ def moe_tile_sweep(x, w13, w2, topk_weights, topk_ids, floor, table_us):
 ATTN_D, ATTN_BS = 128, 16
 # Decode launch variants (tile_n, num_warps, num_stages) the sweep times, each with the split
 # partials merged by a second kernel and by the main kernel's last program ("fused/16": fused_merge,
-# 16 floats a thread a merge load; the first four also with 32). sm_90 registers / shared memory of
-# the split kernel (ptxas, 4 warps): n64 s2 134 regs 38 KB (fused/16: 104), n32 s4 and n16 s4
-# 72-96 regs 13-21 KB, n128 s2 ~129 regs 72 KB: 3, 4, 5-7 and 3 programs an SM.
-SWEEP_TILES = ((64, 4, 2), (64, 4, 3), (32, 4, 4), (16, 4, 4), (64, 8, 2), (128, 4, 2), (128, 8, 1))
+# 16 floats a thread a merge load; the first four also with 32). What Triton 3.9 makes of them for
+# sm_90 (TTGIR, ptxas; split kernel, GQA 2): the K/V tiles are single-buffered whatever num_stages
+# says (each iteration waits for its own tile: one memory round trip a tile), and with 2 stages
+# the tile's paged-block ids are a synchronous gather before that (two round trips a tile); from 3
+# stages on the ids are prefetched a tile ahead. So the levers are bytes a round trip (tile_n) and
+# programs an SM. Registers / shared memory -> programs an SM (64K regs, 228 KB):
+#   n64 w4 s2  134 regs 38 KB -> 3 (fused/16: 104 -> 4)    n64 w4 s3  114-122 regs 38 KB -> 4
+#   n32 w4 s4  72-96 regs 21 KB -> 5-7                     n16 w4 s4  72-96 regs 13 KB -> 5-7
+#   n64 w8 s3  74-99 regs 38 KB -> 2-3                     n128 w4 s3 196 regs (fused 128) 72 KB -> 2 (3)
+#   n128 w8 s3 107-114 regs 73 KB -> 2
+SWEEP_TILES = ((64, 4, 2), (64, 4, 3), (32, 4, 4), (16, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3))
 SWEEP_SPLITS = (16, 32, 48, 64)  # 48 x 8 kv heads: one wave at 3 programs an SM
 
 
