@@ -46,7 +46,10 @@ class EngineConfig:
     seed: int = 0
     cudagraph_buckets: list[int] | None = None   # token-count buckets for piecewise graphs
     decode_buckets: list[int] | None = None      # batch buckets for full decode graphs
-    max_capture_tokens: int = 512        # largest piecewise bucket
+    # Largest piecewise bucket. As large as the default step budget: a 2048-token chunked-prefill
+    # step run compiled but ungraphed cost ~32 ms of host launches on the H200 against ~8 ms of GPU
+    # work (P2's prefill phase, docs/PERF.md); in its graphs only the attention launches remain.
+    max_capture_tokens: int = 2048
     compile_cache: bool = True
     compile_cache_dir: str | None = None
     show_progress: bool = False

@@ -13,6 +13,8 @@ All ops are functional: they return new contiguous tensors and mutate nothing.
   torch.ops.pcg.silu_and_mul(x) -> out
   torch.ops.pcg.fused_moe(x, w13, w2, topk_weights, topk_ids) -> out
   torch.ops.pcg.linear(x, weight) -> x @ weight.T (skinny GEMM kernel for few rows, else F.linear)
+  torch.ops.pcg.add_rms_norm_linear(x, residual, norm_weight, eps, weight) -> (normed @ weight.T, x + residual)
+      (the add + RMSNorm folded into the next projection: one skinny launch for few rows)
   torch.ops.pcg.silu_mul_linear(gate_up, weight) -> silu_and_mul(gate_up) @ weight.T (one skinny launch
       for few rows)
 """
@@ -55,3 +57,11 @@ def linear(x, weight):
         fake=lambda gate_up, weight: gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0])))
 def silu_mul_linear(gate_up, weight):
     return skinny_gemm.silu_mul_linear(gate_up, weight)
+
+
+@pcg_op("add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight) "
+        "-> (Tensor, Tensor)",
+        fake=lambda x, residual, norm_weight, eps, weight: (x.new_empty((*x.shape[:-1], weight.shape[0])),
+                                                            x.new_empty(x.shape)))
+def add_rms_norm_linear(x, residual, norm_weight, eps, weight):
+    return skinny_gemm.add_rms_norm_linear(x, residual, norm_weight, eps, weight)

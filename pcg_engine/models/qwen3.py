@@ -41,12 +41,18 @@ class Attention(nn.Module):
 
     def project_qkv(self, h: torch.Tensor):
         if hasattr(self, "qkv_proj"):
-            return self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.split_qkv(self.qkv_proj(h))
         return self.q_proj(h), self.k_proj(h), self.v_proj(h)
 
+    def split_qkv(self, qkv: torch.Tensor):
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project_qkv(h)
-        T = h.shape[0]
+        return self.attend(positions, *self.project_qkv(h))
+
+    def attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Everything after the q/k/v projection: norms, RoPE, KV write, attention, o_proj."""
+        T = q.shape[0]
         # q, k, v stay head-shaped strided views of the fused qkv output (their last dim is
         # contiguous, which is all the backends need): no copy kernel per layer.
         q = q.view(T, self.num_heads, self.head_dim)
@@ -77,6 +83,10 @@ class MLP(nn.Module):
             gate_up = self.gate_up_proj(h)
         else:
             gate_up = torch.cat([self.gate_proj(h), self.up_proj(h)], dim=-1)
+        return self.down(gate_up)
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU-and-mul and the down projection of the fused gate/up output."""
         if self.use_kernels and self.down_proj.use_kernels:
             # The down projection takes the skinny GEMM for few rows: SiLU-and-mul folds into it.
             return _kernel_ops().silu_mul_linear(gate_up, self.down_proj.weight)
@@ -96,14 +106,32 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, h, residual):
         # The residual add is fused into the next norm: (h, residual) -> (norm(h + residual), h + residual).
+        # With kernels, a norm followed by a fused projection that takes the skinny GEMM folds into
+        # it (torch.ops.pcg.add_rms_norm_linear: one launch for few rows, the two kernels otherwise).
+        attn, mlp = self.self_attn, self.mlp
         if residual is None:
             residual = h
-            h = self.input_layernorm(h)
+            h = attn(positions, self.input_layernorm(h))
+        elif _folds(self.input_layernorm, getattr(attn, "qkv_proj", None)):
+            ln = self.input_layernorm
+            qkv, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps, attn.qkv_proj.weight)
+            h = attn.attend(positions, *attn.split_qkv(qkv))
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h)
+            h = attn(positions, h)
+        if isinstance(mlp, MLP) and _folds(self.post_attention_layernorm, getattr(mlp, "gate_up_proj", None)):
+            ln = self.post_attention_layernorm
+            gate_up, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps,
+                                                                  mlp.gate_up_proj.weight)
+            return mlp.down(gate_up), residual
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return mlp(h), residual
+
+
+def _folds(norm: RMSNorm, proj) -> bool:
+    """Whether an add + RMSNorm folds into the fused projection after it: both run kernels and the
+    projection's shape takes the skinny GEMM (layers.Linear.kernel_applies)."""
+    return proj is not None and norm.use_kernels and proj.use_kernels
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:

@@ -92,3 +92,33 @@ def test_piecewise_with_kernel_custom_ops_matches_eager(tiny_dense, cache_root):
     stats = compiled.forward_fn.stats
     assert stats.dynamo_traces == 1 and stats.inductor_compiles == 3 and stats.pieces == 5
     assert compiled.forward_fn.eager_calls == 0
+
+
+def test_norm_folded_into_skinny_projections_matches_unfolded(tiny_dense, cache_root, monkeypatch):
+    """With the fused qkv and gate_up shapes in the skinny GEMM's table, each decoder layer calls
+    add_rms_norm_linear instead of the norm and the projection (attend / down take the rest): the
+    same numbers as without (on the CPU the op runs the two kernels it replaces)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    from compile_helpers import make_runner
+    from pcg_engine.kernels import skinny_gemm
+    plain = make_runner(tiny_dense, "eager", kernels=True)
+    qkv_shape = tuple(plain.model.model.layers[0].self_attn.qkv_proj.weight.shape)
+    up_shape = tuple(plain.model.model.layers[0].mlp.gate_up_proj.weight.shape)
+    table = {(m, *shape): skinny_gemm.SkinnyConfig(16, 32, True) for m in (1, 2, 4, 8, 16)
+             for shape in (qkv_shape, up_shape)}
+    monkeypatch.setattr(skinny_gemm, "TUNED", table)
+    folded = make_runner(tiny_dense, "eager", kernels=True)
+    compiled = make_runner(tiny_dense, "piecewise", kernels=True, max_capture_tokens=4,
+                           compile_cache_dir=str(cache_root))
+    layer = folded.model.model.layers[1]
+    assert layer.self_attn.qkv_proj.use_kernels and layer.mlp.gate_up_proj.use_kernels
+    assert "pcg.add_rms_norm_linear" in "".join(s.graph_module.code for s in compiled.forward_fn.backend.submodules)
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12]}
+    schedule = [[("a", 5)], [("a", 1)], [("b", 3), ("a", 1)]]
+
+    def check(results, index):
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(results[2][0], results[0][0], atol=1e-4, rtol=1e-4)
+    run_workload([plain, folded, compiled], check, schedule=schedule, prompts=prompts)

@@ -124,3 +124,46 @@ def test_gpu_gated_is_bitwise_the_two_kernel_path(m):
     for config in (SkinnyConfig(2, 1024, False), SkinnyConfig(16, 256, True)):
         torch.testing.assert_close(skinny_gemm(gate_up, w, config, gated=True),
                                    skinny_gemm(silu_and_mul(gate_up), w, config), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 48), (6, 100)])
+@pytest.mark.parametrize("config", [SkinnyConfig(16, 32, True), SkinnyConfig(4, 64, False)], ids=["dot", "sum"])
+def test_norm_prologue_equals_add_rms_norm_then_linear(m, k, config, device, poison_empty):
+    from pcg_engine.kernels.norm import add_rms_norm_ref
+    x, residual = torch.randn(m, k, device=device), torch.randn(m, k, device=device)
+    norm_weight = torch.rand(k, device=device) + 0.5
+    w = torch.randn(40, k, device=device)
+    residual_out = torch.empty_like(x)
+    y = skinny_gemm(x, w, config, norm=(residual, norm_weight, 1e-6, residual_out))
+    h, new_residual = add_rms_norm_ref(x, residual, norm_weight, 1e-6)
+    torch.testing.assert_close(y, torch.nn.functional.linear(h, w), **FP32)
+    torch.testing.assert_close(residual_out, new_residual, atol=0, rtol=0)   # every row, by program 0
+
+
+def test_add_rms_norm_linear_op_falls_back_on_cpu():
+    import pcg_engine.kernels.ops  # noqa: F401
+    from pcg_engine.kernels.norm import add_rms_norm_ref
+    x, residual, nw, w = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64) + 0.5, torch.randn(16, 64)
+    y, new_residual = torch.ops.pcg.add_rms_norm_linear(x, residual, nw, 1e-6, w)
+    h, ref_residual = add_rms_norm_ref(x, residual, nw, 1e-6)
+    torch.testing.assert_close(y, torch.nn.functional.linear(h, w), **FP32)
+    torch.testing.assert_close(new_residual, ref_residual, **FP32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_norm_prologue_is_bitwise_the_two_kernel_path(m):
+    from pcg_engine.kernels.norm import add_rms_norm
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    nw = (torch.rand(1024, device="cuda") + 0.5).to(torch.bfloat16)
+    w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    for config in (SkinnyConfig(4, 1024, False), SkinnyConfig(32, 128, True)):
+        residual_out = torch.empty_like(x)
+        y = skinny_gemm(x, w, config, norm=(residual, nw, 1e-6, residual_out))
+        h, ref_residual = add_rms_norm(x, residual, nw, 1e-6)
+        assert torch.equal(residual_out, ref_residual)
+        # The norm's row sum may be reduced in another order than the norm kernel's: equal up to
+        # an ulp of the normalised input, far below bf16 noise of the GEMM.
+        torch.testing.assert_close(y, skinny_gemm(h, w, config), rtol=2e-2, atol=2e-2)
