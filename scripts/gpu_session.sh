@@ -60,7 +60,7 @@ part() {
               --steps ${HOSTPROF_STEPS:-50} ${HOSTPROF_ARGS:-} > $OUT/hostprof_${mo}_${HOSTPROF_N:-1}${HOSTPROF_TAG:-}.txt 2>&1; grep -A12 "===" $OUT/hostprof_${mo}_${HOSTPROF_N:-1}${HOSTPROF_TAG:-}.txt | head -40
           done ;;
     skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
-    kernels) timeout $(lim 150) python3 scripts/bench_kernels.py --json $OUT/kernels.json 2>&1 | tail -30 ;;
+    kernels) timeout $(lim 150) python3 scripts/bench_kernels.py ${KERNELS_ARGS:-} --json $OUT/kernels.json 2>&1 | tail -30 ;;
     *) echo "unknown part: $1"; exit 2 ;;
   esac
 }
