@@ -42,8 +42,7 @@ class RequestOutput:
                  new_text: str = "", logprobs: list[dict] | None = None):
         self.text, self.finished = text, finished
         self.new_token_ids, self.new_text, self.logprobs = new_token_ids, new_text, logprobs
-        self._request, self._end = request, end
-        self._token_ids = self._metrics = None
+        self._request, self._end = request, end     # _token_ids and _metrics: set when first read
 
     @property
     def request_id(self) -> str:
@@ -63,19 +62,37 @@ class RequestOutput:
 
     @property
     def token_ids(self) -> list[int]:
-        if self._token_ids is None:
+        try:
+            return self._token_ids
+        except AttributeError:
             self._token_ids = self._request.token_ids[len(self._request.prompt_token_ids):self._end]
-        return self._token_ids
+            return self._token_ids
 
     @property
     def metrics(self) -> RequestMetrics:
-        if self._metrics is None:
+        try:
+            return self._metrics
+        except AttributeError:
             r = self._request
             self._metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time,
                                            r.finish_time if self.finished else None, r.num_cached_tokens)
-        return self._metrics
+            return self._metrics
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids}, text={self.text!r}, "
                 f"finished={self.finished}, finish_reason={self.finish_reason!r}, "
                 f"new_token_ids={self.new_token_ids}, new_text={self.new_text!r})")
+
+
+class DecodeOutput(RequestOutput):
+    """The output of a request that got one token and no text this step and did not finish: the
+    engine's bulk path makes 256 of these a step at batch 256, so construction sets three fields
+    and the constant ones are class attributes."""
+
+    __slots__ = ()
+    text = new_text = ""
+    finished = False
+    logprobs = None
+
+    def __init__(self, request, end: int, token: int):
+        self._request, self._end, self.new_token_ids = request, end, [token]

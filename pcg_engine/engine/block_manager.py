@@ -171,6 +171,17 @@ class BlockManager:
             table.append(self._pop_free())
         return True
 
+    def grow(self, request_ids: list[str], counts: list[int]) -> None:
+        """Append counts[i] fresh blocks to request_ids[i]'s table, for requests that hold blocks
+        already (the scheduler's decode fast path, which has checked that enough are free)."""
+        if sum(counts) > self.num_free_blocks:
+            raise RuntimeError("grow: not enough free blocks")
+        tables, pop = self._tables, self._pop_free
+        for rid, k in zip(request_ids, counts):
+            table = tables[rid]
+            for _ in range(k):
+                table.append(pop())
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -218,11 +229,12 @@ class BlockManager:
         # Cheap exit first: called for every scheduled request after each launch and each resolve,
         # but a block fills only every block_size tokens. No block beyond the computed tokens can
         # be published, so with one hash per computed full block there is nothing to do.
-        if hashes is None or request.num_computed_tokens // self.block_size <= len(hashes):
+        computed = request.num_computed_tokens
+        if hashes is None or computed // self.block_size <= len(hashes):
             return
         table = self._tables[request.request_id]
         tokens, bs = request.token_ids, self.block_size
-        num_full = min(request.num_computed_tokens, len(tokens), len(table) * bs) // bs
+        num_full = min(computed, len(tokens), len(table) * bs) // bs
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
             chunk = tokens[i * bs:(i + 1) * bs]

@@ -64,17 +64,21 @@ class InputBatch:
         self.seq_lens = dev(R, dtype=torch.int32)
         self.step_block_table = dev(R, self.max_blocks, dtype=torch.int32)
         self.logits_indices = dev(R, dtype=torch.long)
-        self.placeholder_index = dev(2, T, dtype=torch.long)   # (flat row, index in last step's tokens)
+        self.placeholder_index = dev(2 * T, dtype=torch.long)   # flat rows, then their index in last step's tokens
         # Pinned host staging, two sets used alternately; one int64 buffer per step for the flat
         # arrays and one int32 buffer for the per-request ones keeps it to a few copies.
         self._staging = [self._make_staging(pin) for _ in range(2)]
         self._flip = 0
+        self._non_blocking = device.type == "cuda"
+        self._arange = np.arange(max(T, R) + 1, dtype=np.int64)
 
     def _make_staging(self, pin):
         T, R, B = self.max_num_tokens, self.max_num_seqs, self.max_blocks
-        return {"tok": torch.zeros(3 * T + R, dtype=torch.long, pin_memory=pin),
-                "req": torch.zeros(2 * R + 1 + R * B, dtype=torch.int32, pin_memory=pin),
-                "ph": torch.zeros(2 * T, dtype=torch.long, pin_memory=pin)}
+        stage = {"tok": torch.zeros(3 * T + R, dtype=torch.long, pin_memory=pin),
+                 "req": torch.zeros(2 * R + 1 + R * B, dtype=torch.int32, pin_memory=pin),
+                 "ph": torch.zeros(2 * T, dtype=torch.long, pin_memory=pin)}
+        stage.update({f"{k}_np": v.numpy() for k, v in list(stage.items())})   # views of the same memory
+        return stage
 
     # ---- rows -------------------------------------------------------------------------------
     def add(self, request) -> int:
@@ -115,7 +119,17 @@ class InputBatch:
         every scheduled request is (a step with prefills or admissions)."""
         rows = getattr(scheduled, "rows", None)
         if rows is not None:
-            for i in np.flatnonzero(self.state.table_len[rows] != self.num_blocks[rows]).tolist():
+            changed = np.flatnonzero(self.state.table_len[rows] != self.num_blocks[rows])
+            if not len(changed):
+                return
+            grown = rows[changed]
+            have = self.num_blocks[grown]
+            if np.array_equal(self.state.table_len[grown], have + 1):    # one block each: one write
+                self.block_table[grown, have] = [block_table(scheduled[i][0].request_id)[-1]
+                                                 for i in changed.tolist()]
+                self.num_blocks[grown] = have + 1
+                return
+            for i in changed.tolist():
                 request = scheduled[i][0]
                 self.update(request, block_table(request.request_id))
             return
@@ -165,29 +179,36 @@ class InputBatch:
         Rp = max(pad_reqs_to or R, R)
         if Tp > self.max_num_tokens or Rp > self.max_num_seqs:
             raise RuntimeError(f"step of {Tp} tokens / {Rp} requests exceeds the input batch")
-        qsl = np.zeros(R + 1, dtype=np.int64)
-        np.cumsum(n, out=qsl[1:])
-        tok_rows = np.repeat(rows, n)
-        positions = np.repeat(computed - qsl[:-1], n) + np.arange(T)
-        input_ids = self.token_ids[tok_rows, positions]
-        blocks = self.block_table[tok_rows, positions // self.block_size].astype(np.int64)
-        slots = blocks * self.block_size + positions % self.block_size
         seq_lens = computed + n
-        sampling = (computed + n) == num_tokens
+        sampling = seq_lens == num_tokens
+        arange = self._arange
+        if T == R:        # one token per request (all decodes): the flat batch is the rows themselves
+            qsl, tok_rows, positions = arange[:R + 1], rows, computed
+        else:
+            qsl = np.zeros(R + 1, dtype=np.int64)
+            np.cumsum(n, out=qsl[1:])
+            tok_rows = np.repeat(rows, n)
+            positions = np.repeat(computed - qsl[:-1], n) + arange[:T]
+        input_ids = self.token_ids[tok_rows, positions]
+        bs = self.block_size
+        blocks = self.block_table[tok_rows, positions // bs].astype(np.int64)
+        slots = blocks * bs + positions % bs
         logits_idx = qsl[1:][sampling] - 1
+        S = len(logits_idx)
+        max_seq_len = int(seq_lens.max()) if R else 0
 
         stage = self._staging[self._flip]
         self._flip ^= 1
-        tok = stage["tok"].numpy()
-        tok[:Tp] = 0
+        tok = stage["tok_np"]
         tok[:T] = np.maximum(input_ids, 0)   # placeholders are filled on the device below
-        tok[Tp:2 * Tp] = 0
         tok[Tp:Tp + T] = positions
-        tok[2 * Tp:3 * Tp] = -1              # padding tokens write the scratch block
         tok[2 * Tp:2 * Tp + T] = slots
-        S = len(logits_idx)
+        if Tp > T:
+            tok[T:Tp] = 0
+            tok[Tp + T:2 * Tp] = 0
+            tok[2 * Tp + T:3 * Tp] = -1      # padding tokens write the scratch block
         tok[3 * Tp:3 * Tp + S] = logits_idx
-        req = stage["req"].numpy()
+        req = stage["req_np"]
         req[:R + 1] = qsl
         # Padding requests own one (padding) token each when the step is padded per request
         # (full decode graphs); their seq_len 0 makes attention return zeros for them.
@@ -200,13 +221,12 @@ class InputBatch:
         bt = req[off:off + Rp * self.max_blocks].reshape(Rp, self.max_blocks)
         # Only the columns in use: attention never reads a row past its seq_len's blocks, so the
         # stale columns beyond (left from earlier steps) are never seen.
-        used = -(-int(seq_lens.max()) // self.block_size) if R else 0
+        used = -(-max_seq_len // bs)
         bt[:R, :used] = self.block_table[rows, :used]
         bt[R:] = 0
 
-        d = self.device
         stage_tok, stage_req = stage["tok"], stage["req"]
-        nb = d.type == "cuda"
+        nb = self._non_blocking
         self.input_ids[:Tp].copy_(stage_tok[:Tp], non_blocking=nb)
         self.positions[:Tp].copy_(stage_tok[Tp:2 * Tp], non_blocking=nb)
         self.slot_mapping[:Tp].copy_(stage_tok[2 * Tp:3 * Tp], non_blocking=nb)
@@ -218,31 +238,35 @@ class InputBatch:
 
         # Async scheduling: a placeholder input (-1 in the row) takes its real value from the
         # previous step's sampled tokens, on the device: nothing is read back to the host.
-        ph = np.nonzero(input_ids == PLACEHOLDER)[0]
-        if len(ph):
+        ph = np.flatnonzero(input_ids == PLACEHOLDER)
+        k = len(ph)
+        if k:
             if previous_tokens is None:
                 raise RuntimeError("a placeholder token is scheduled but no step is in flight")
-            # Through pinned staging: a copy from pageable memory would wait for the GPU to drain,
-            # which is exactly the overlap async scheduling exists for.
-            k, M = len(ph), self.max_num_tokens
-            staged = stage["ph"].numpy()
-            staged[:k] = ph
-            staged[M:M + k] = self.sample_index[tok_rows[ph]]
-            index = self.placeholder_index
-            index[0, :k].copy_(stage["ph"][:k], non_blocking=nb)
-            index[1, :k].copy_(stage["ph"][M:M + k], non_blocking=nb)
-            self.input_ids.index_copy_(0, index[0, :k], previous_tokens.index_select(0, index[1, :k]))
+            src = self.sample_index[tok_rows[ph]]
+            if ph[-1] == k - 1 and np.array_equal(src, arange[:k]):
+                # The first k inputs take the previous step's first k tokens in order (a decode
+                # batch whose order did not change): one device copy, no index upload.
+                self.input_ids[:k].copy_(previous_tokens[:k], non_blocking=nb)
+            else:
+                # Through pinned staging: a copy from pageable memory would wait for the GPU to
+                # drain, which is exactly the overlap async scheduling exists for.
+                staged = stage["ph_np"]
+                staged[:k] = ph
+                staged[k:2 * k] = src
+                index = self.placeholder_index
+                index[:2 * k].copy_(stage["ph"][:2 * k], non_blocking=nb)
+                self.input_ids.index_copy_(0, index[:k], previous_tokens.index_select(0, index[k:2 * k]))
         # Where each row's sampled token will sit in this step's output, for the next step.
-        self.sample_index[rows[sampling]] = np.arange(int(sampling.sum()))
+        self.sample_index[rows[sampling]] = arange[:S]
 
-        max_q = int(n.max()) if R else 0
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[:Rp + 1], seq_lens=self.seq_lens[:Rp],
             block_table=self.step_block_table[:Rp], slot_mapping=self.slot_mapping[:Tp],
-            num_reqs=Rp, num_tokens=Tp, max_query_len=max(max_q, 1 if Rp > R else 0),
-            max_seq_len=int(seq_lens.max()) if R else 0,
-            query_start_loc_cpu=torch.from_numpy(req[:Rp + 1].astype(np.int32).copy()),
-            seq_lens_cpu=torch.from_numpy(np.concatenate([seq_lens, np.zeros(Rp - R, np.int64)]).astype(np.int32)))
+            num_reqs=Rp, num_tokens=Tp, max_query_len=max(int(n.max()) if R else 0, 1 if Rp > R else 0),
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=torch.from_numpy(req[:Rp + 1].copy()),
+            seq_lens_cpu=torch.from_numpy(req[Rp + 1:2 * Rp + 1].copy()))
         requests = getattr(scheduled, "requests", None)
         if requests is not None and S == R:
             sample_rows = requests

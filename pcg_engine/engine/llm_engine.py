@@ -32,7 +32,7 @@ from pcg_engine.engine.sampler import Sampler, SamplerOutput, SamplingRow, Sampl
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import eos_token_ids, load_tokenizer
 from pcg_engine.errors import InvalidRequestError
-from pcg_engine.outputs import RequestOutput
+from pcg_engine.outputs import DecodeOutput, RequestOutput
 from pcg_engine.sampling_params import SamplingParams
 
 
@@ -324,8 +324,7 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(requests[i])
         stream = np.flatnonzero(quiet & state.stream[rows])
         ends = (state.num_tokens[rows[stream]] - state.num_placeholders[rows[stream]]).tolist()
-        outputs = [RequestOutput(r, e, "", False, [t], "", None)
-                   for r, e, t in zip(map(requests.__getitem__, stream.tolist()), ends, values[stream].tolist())]
+        outputs = list(map(DecodeOutput, map(requests.__getitem__, stream.tolist()), ends, values[stream].tolist()))
         slow = np.flatnonzero(event | ~live)
         if not len(slow):
             self.stats.generated_tokens += generated

@@ -46,28 +46,26 @@ class Request:
     num_computed_tokens counts the tokens (from the start) whose KV is written, or will be by a
     launched step: with async scheduling it advances at launch, before the step's tokens are known.
 
-    While the request holds a row of the persistent batch, its tokens and counts live in that row
-    (row_state.py) and the properties below read and write them there; token_ids is then a copy
-    brought up to date when read: change tokens only through the methods, never the list.
+    While the request holds a row of the persistent batch it is a BoundRequest (row_state.py): the
+    same object, its class switched, its tokens and counts kept in the row.
     """
 
-    _rows = None        # the RowState this request is bound to, if any (row_state.py)
+    _rows = None        # the RowState of a BoundRequest
     _row = -1
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  arrival_time: float | None = None, eos_token_id: int | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self._token_ids = list(self.prompt_token_ids)
-        self._synced = len(self._token_ids)   # leading entries of _token_ids that match the row
+        self.token_ids = list(self.prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.eos_token_id = eos_token_id
 
         self.status = RequestStatus.WAITING
-        self._num_computed = 0
+        self.num_computed_tokens = 0
         self.num_cached_tokens = 0       # prefix-cache hit when first scheduled
-        self._num_placeholders = 0       # PLACEHOLDERs among the outputs
+        self.num_placeholders = 0        # PLACEHOLDERs among the outputs
         self.num_preemptions = 0
 
         self.first_scheduled_time: float | None = None
@@ -84,47 +82,11 @@ class Request:
         self.last_index: int = 1 << 62
         self.final_only = False          # outputs only when finished (LLMEngine.add_request)
 
-    # Row-backed state -----------------------------------------------------------------------------
-
-    @property
-    def token_ids(self) -> list[int]:
-        rows = self._rows
-        if rows is not None:
-            rows.sync(self)
-        return self._token_ids
-
-    @property
-    def num_computed_tokens(self) -> int:
-        rows = self._rows
-        return self._num_computed if rows is None else int(rows.num_computed[self._row])
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        rows = self._rows
-        if rows is None:
-            self._num_computed = value
-        else:
-            rows.num_computed[self._row] = value
-
-    @property
-    def num_placeholders(self) -> int:
-        rows = self._rows
-        return self._num_placeholders if rows is None else int(rows.num_placeholders[self._row])
-
-    @num_placeholders.setter
-    def num_placeholders(self, value: int) -> None:
-        rows = self._rows
-        if rows is None:
-            self._num_placeholders = value
-        else:
-            rows.num_placeholders[self._row] = value
-
     # Derived sizes -------------------------------------------------------------------------------
 
     @property
     def num_tokens(self) -> int:
-        rows = self._rows
-        return len(self._token_ids) if rows is None else int(rows.num_tokens[self._row])
+        return len(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -133,7 +95,7 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         """Outputs so far, placeholders included: they count against max_tokens."""
-        return self.num_tokens - len(self.prompt_token_ids)
+        return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -156,34 +118,24 @@ class Request:
 
     def append_output(self, token: int) -> None:
         """Append a sampled token, or PLACEHOLDER for one still on the device."""
-        if self._rows is not None:
-            self._rows.append(self, token)
-            return
-        self._token_ids.append(token)
+        self.token_ids.append(token)
         if token == PLACEHOLDER:
-            self._num_placeholders += 1
+            self.num_placeholders += 1
 
     def resolve_placeholder(self, index: int, token: int) -> None:
         """Replace the PLACEHOLDER at absolute position `index` by the token read back."""
-        if self._rows is not None:
-            self._rows.set_token(self, index, token)
-            return
-        if self._token_ids[index] != PLACEHOLDER:
+        if self.token_ids[index] != PLACEHOLDER:
             raise ValueError(f"token_ids[{index}] of {self.request_id!r} is not a placeholder")
-        self._token_ids[index] = token
-        self._num_placeholders -= 1
+        self.token_ids[index] = token
+        self.num_placeholders -= 1
 
     def truncate(self, num_tokens: int) -> None:
         """Drop outputs from position num_tokens on (e.g. the speculative token after a stop)."""
         if num_tokens < self.num_prompt_tokens:
             raise ValueError(f"cannot truncate {self.request_id!r} into its prompt")
-        if self._rows is not None:
-            self._rows.truncate(self, num_tokens)
-            return
-        dropped = self._token_ids[num_tokens:]
-        del self._token_ids[num_tokens:]
-        self._synced = min(self._synced, num_tokens)
-        self._num_placeholders -= dropped.count(PLACEHOLDER)
+        dropped = self.token_ids[num_tokens:]
+        del self.token_ids[num_tokens:]
+        self.num_placeholders -= dropped.count(PLACEHOLDER)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

@@ -1,17 +1,18 @@
 """Per-row decode state: what changes every decode step, held in numpy rows instead of Request objects.
 
-A request that takes a row of the persistent input batch is *bound* to it (`bind`): from then on its
-token ids, token count, computed count and placeholder count live in this row, and the Request's
-properties read and write them here (request.py). A decode step can then be booked for every row at
+A request that takes a row of the persistent input batch is *bound* to it (`bind`): its class is
+switched to BoundRequest, whose properties read and write its token ids, token count, computed
+count and placeholder count in this row. (A class switch rather than properties on Request: plain
+requests, and the per-step rebuild baseline that uses only those, keep plain attributes.) A decode step can then be booked for every row at
 once with a few numpy operations: the scheduler finds the rows that cross a block boundary, the
 engine appends 256 placeholders, resolves 256 sampled tokens and finds the rows that stop, without a
 Python loop over the requests; only rows with an *event* (a stop token, the length limit, a first
 token, text or logprobs to produce) go through the per-request Python path.
 
-The Request keeps a Python copy of its tokens, brought up to date when someone reads
+A BoundRequest keeps a Python copy of its tokens, brought up to date when someone reads
 request.token_ids (`sync`): placeholders only ever trail the real tokens, so the copy's first
 `_synced` entries never change and only the tail is re-read. Releasing the row (`unbind`) writes the
-row's values back into the Request, which is a plain object again (preempted, finished).
+row's values back into the request, which is a plain Request again (preempted, finished).
 
 `epoch` counts the bindings of each row: a step records it, so a token read back after its row was
 released (and perhaps handed to another request) is recognised as stale.
@@ -19,7 +20,7 @@ released (and perhaps handed to another request) is recognised as stale.
 
 import numpy as np
 
-from pcg_engine.engine.request import PLACEHOLDER
+from pcg_engine.engine.request import PLACEHOLDER, Request
 
 # Pads the stop-token columns: matches no sampled token (those are >= 0) and no placeholder.
 NO_STOP = -2
@@ -35,6 +36,7 @@ class RowState:
         self.last_index = np.zeros(R, dtype=np.int64)     # Request.last_index
         self.table_len = np.zeros(R, dtype=np.int64)      # KV blocks the block manager holds for the row
         self.epoch = np.zeros(R, dtype=np.int64)
+        self.version = 0                                  # counts binds and unbinds (a row changed hands)
         # Set by the engine (defaults send every token through the per-request path):
         self.plain = np.zeros(R, dtype=bool)              # no text, no logprobs: tokens booked in bulk
         self.stream = np.zeros(R, dtype=bool)             # an output per step (not final_only)
@@ -47,20 +49,22 @@ class RowState:
         """Move the request's per-step state into `row` (fresh rows only: the request is unbound)."""
         if request._rows is not None:
             raise RuntimeError(f"{request.request_id!r} is already bound to a row")
-        tokens = request._token_ids
+        tokens = request.token_ids
         n = len(tokens)
         self.token_ids[row, :n] = tokens
         self.num_tokens[row] = n
-        self.num_computed[row] = request._num_computed
-        self.num_placeholders[row] = request._num_placeholders
+        self.num_computed[row] = request.num_computed_tokens
+        self.num_placeholders[row] = request.num_placeholders
         self.last_index[row] = request.last_index
         self.table_len[row] = 0
         self.epoch[row] += 1
         self.plain[row] = self.stream[row] = self.first_pending[row] = False
         self.stop_ids[row] = NO_STOP
         self.requests[row] = request
-        request._synced = n - request._num_placeholders
+        self.version += 1
+        request._synced = n - request.num_placeholders
         request._rows, request._row = self, row
+        request.__class__ = BoundRequest
 
     def unbind(self, request) -> None:
         """Write the row back into the request; the row may then be reused."""
@@ -68,17 +72,19 @@ class RowState:
             return
         row = request._row
         self.sync(request)
-        request._num_computed = int(self.num_computed[row])
-        request._num_placeholders = int(self.num_placeholders[row])
-        request._rows, request._row = None, -1
+        request.__class__ = Request          # plain attributes again: the instance dict's values
+        request.num_computed_tokens = int(self.num_computed[row])
+        request.num_placeholders = int(self.num_placeholders[row])
+        del request._rows, request._row, request._synced
         self.requests[row] = None
         self.epoch[row] += 1
+        self.version += 1
 
     def sync(self, request) -> None:
         """Bring request._token_ids up to date with the row (only its unsettled tail is re-read)."""
         row = request._row
         n = int(self.num_tokens[row])
-        tokens, k = request._token_ids, request._synced
+        tokens, k = request.__dict__["token_ids"], request._synced
         if k < len(tokens):
             del tokens[k:]
         if k < n:
@@ -131,3 +137,48 @@ class RowState:
     def stop_hit(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Per row: the token is one of the row's stop tokens (EOS included unless ignored)."""
         return (self.stop_ids[rows] == tokens[:, None]).any(axis=1)
+
+
+class BoundRequest(Request):
+    """A Request while it holds a row: token_ids and the counts are properties over the row (the
+    instance dict's entries of the same names are shadowed; token_ids' holds the synced copy)."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        self._rows.sync(self)
+        return self.__dict__["token_ids"]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._rows.num_tokens[self._row])
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return int(self._rows.num_computed[self._row])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self._rows.num_computed[self._row] = value
+
+    @property
+    def num_placeholders(self) -> int:
+        return int(self._rows.num_placeholders[self._row])
+
+    @num_placeholders.setter
+    def num_placeholders(self, value: int) -> None:
+        self._rows.num_placeholders[self._row] = value
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - len(self.prompt_token_ids)
+
+    def append_output(self, token: int) -> None:
+        self._rows.append(self, token)
+
+    def resolve_placeholder(self, index: int, token: int) -> None:
+        self._rows.set_token(self, index, token)
+
+    def truncate(self, num_tokens: int) -> None:
+        if num_tokens < self.num_prompt_tokens:
+            raise ValueError(f"cannot truncate {self.request_id!r} into its prompt")
+        self._rows.truncate(self, num_tokens)

@@ -30,7 +30,7 @@ from itertools import compress, repeat
 import numpy as np
 
 from pcg_engine.engine.block_manager import BlockManager
-from pcg_engine.engine.request import Request, RequestStatus
+from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
 from pcg_engine.errors import ConfigError, InvalidRequestError
 
 
@@ -83,6 +83,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()    # WAITING and PREEMPTED, in admission order
         self.running: list[Request] = []          # oldest admitted first
         self.requests: dict[str, Request] = {}    # every unfinished request
+        # The decode fast path's rows of `running`, valid while neither `running` nor any row's
+        # owner changed: (running version, RowState, its version) it was made at, and the rows.
+        self._running_version = 0
+        self._rows_cache = (None, None)
 
     # Queue ---------------------------------------------------------------------------------------
 
@@ -107,6 +111,7 @@ class Scheduler:
             del self.requests[request.request_id]
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+                self._running_version += 1
             else:
                 self.waiting.remove(request)
         self.block_manager.free(request)
@@ -180,6 +185,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._running_version += 1
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -193,7 +199,10 @@ class Scheduler:
         state = running[0]._rows
         if state is None:
             return None
-        rows = np.fromiter([r._row for r in running], np.int64, len(running))
+        key, rows = self._rows_cache
+        if key != (self._running_version, state, state.version) or len(rows) != len(running):
+            rows = np.fromiter([r._row for r in running], np.int64, len(running))
+            self._rows_cache = ((self._running_version, state, state.version), rows)
         if rows.min() < 0:
             return None
         num_tokens = state.num_tokens[rows]
@@ -208,12 +217,12 @@ class Scheduler:
         need = (num_tokens + (blocks.block_size - 1)) // blocks.block_size - state.table_len[rows]
         grow = np.flatnonzero(take & (need > 0))
         if len(grow):
-            if int(need[grow].sum()) > blocks.num_free_blocks:
+            counts = need[grow]
+            if int(counts.sum()) > blocks.num_free_blocks:
                 return None                              # someone must be preempted
-            for i in grow.tolist():
-                request = running[i]
-                blocks.allocate(request, 1)              # cannot fail: enough blocks are free
-                state.table_len[rows[i]] = len(blocks.block_table(request.request_id))
+            # In running order, as the general loop would allocate them.
+            blocks.grow([running[i].request_id for i in grow.tolist()], counts.tolist())
+            state.table_len[rows[grow]] += counts
         if count == len(running):
             requests = list(running)
         else:
@@ -281,6 +290,7 @@ class Scheduler:
                 break                          # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(request)
+            self._running_version += 1
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -308,7 +318,11 @@ class Scheduler:
                 after = before + scheduled.num_new
                 state.num_computed[rows] = after
                 if self.block_manager.enable_prefix_caching:
-                    for i in np.flatnonzero(before // bs != after // bs).tolist():
+                    filled = np.flatnonzero(before // bs != after // bs)
+                    # A block ending in a placeholder is published when that token is resolved
+                    # (and, placeholders trailing, no earlier block waits): skip the call.
+                    filled = filled[state.token_ids[rows[filled], after[filled] - 1] != PLACEHOLDER]
+                    for i in filled.tolist():
                         cache_full_blocks(scheduled[i][0])
             return
         for request, num_new in scheduled:

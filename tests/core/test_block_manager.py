@@ -57,6 +57,31 @@ def test_allocate_grows_by_appending_and_slots():
     bm.check_invariants()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_grow_takes_the_blocks_allocate_would(seed):
+    """grow (the scheduler's decode fast path) appends the same blocks, in the same order, as one
+    allocate per request would; it refuses to overdraw."""
+    import random
+    rng = random.Random(seed)
+    managers = [BlockManager(40, BS), BlockManager(40, BS)]
+    prompts = [[rng.randint(3, 99) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+    reqs = [[req(f"r{i}", p) for i, p in enumerate(prompts)] for _ in managers]
+    for bm, rs in zip(managers, reqs):
+        for r in rs:
+            assert bm.allocate(r, r.num_tokens)
+            r.num_computed_tokens = r.num_tokens
+    counts = [rng.randint(0, 2) for _ in range(5)]
+    a, b = managers
+    for r, k in zip(reqs[0], counts):
+        assert a.allocate(r, (len(a.block_table(r.request_id)) + k) * BS - r.num_computed_tokens)
+    b.grow([r.request_id for r in reqs[1]], counts)
+    assert a._tables == b._tables and list(a._free_plain) == list(b._free_plain)
+    b.check_invariants()
+    with pytest.raises(RuntimeError, match="not enough"):
+        b.grow(["r0"], [b.num_free_blocks + 1])
+    b.check_invariants()
+
+
 def test_full_hit_except_last_token():
     bm = BlockManager(20, BS)
     prompt = list(range(100, 109))                     # 9 tokens: 2 full blocks + 1

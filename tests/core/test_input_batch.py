@@ -258,3 +258,27 @@ def test_set_token_after_release_is_harmless():
     row = batch.add(b)
     batch.set_token("b", 5, 9)        # beyond what the row holds: ignored
     assert np.array_equal(batch.token_ids[row, :2], [1, 2])
+
+
+@pytest.mark.parametrize("order", ["same", "reversed", "subset"])
+def test_placeholders_take_previous_tokens_in_any_order(order):
+    """Async decode steps: each placeholder input takes its own row's token of the previous step,
+    whether the batch keeps its order (one device copy), reverses it or drops a row (gathers)."""
+    rng = random.Random(order)
+    batch = InputBatch(MAX_SEQS, MAX_LEN, BS, MAX_TOKENS, torch.device("cpu"))
+    reqs = [Request(f"r{i}", [rng.randint(3, 999) for _ in range(rng.randint(1, 9))], SimpleNamespace(max_tokens=20))
+            for i in range(5)]
+    tables = {}
+    for i, r in enumerate(reqs):
+        batch.add(r)
+        tables[r.request_id] = [10 * i + k + 1 for k in range(6)]
+        batch.update(r, tables[r.request_id])
+    first = batch.prepare([(r, r.num_tokens) for r in reqs])
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens
+        r.append_output(PLACEHOLDER)
+    sampled = torch.tensor([rng.randint(3, 999) for _ in first.sample_rows])
+    step = {"same": reqs, "reversed": reqs[::-1], "subset": reqs[:1] + reqs[2:]}[order]
+    got = batch.prepare([(r, 1) for r in step], previous_tokens=sampled)
+    want = [int(sampled[first.sample_rows.index(r)]) for r in step]
+    assert got.input_ids.tolist() == want

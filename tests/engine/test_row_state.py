@@ -15,7 +15,7 @@ import pytest
 from engine_helpers import assert_drained, make_llm, random_prompts
 from pcg_engine.bench.rebuild_baseline import RebuildBatch
 from pcg_engine.engine.request import PLACEHOLDER, Request
-from pcg_engine.engine.row_state import RowState
+from pcg_engine.engine.row_state import BoundRequest, RowState
 from pcg_engine.engine.scheduler import ScheduledBatch
 from pcg_engine.sampling_params import SamplingParams
 
@@ -36,6 +36,7 @@ def test_bound_request_matches_unbound_twin(seed):
         plain, bound = Request("p", prompt, None), Request("b", prompt, None)
         row = rng.randrange(4)
         state.bind(bound, row)
+        assert type(bound) is BoundRequest and type(plain) is Request
         with pytest.raises(RuntimeError, match="already bound"):
             state.bind(bound, (row + 1) % 4)
         pending = []                         # indices of placeholders, oldest first
@@ -73,7 +74,8 @@ def test_bound_request_matches_unbound_twin(seed):
         _same(plain, bound)
         epoch = state.epoch[row]
         state.unbind(bound)
-        assert bound._rows is None and state.epoch[row] == epoch + 1
+        assert type(bound) is Request and bound._rows is None and state.epoch[row] == epoch + 1
+        assert not {"_rows", "_row", "_synced"} & set(vars(bound))
         _same(plain, bound)
         bound.append_output(7)               # a plain object again
         plain.append_output(7)
