@@ -193,6 +193,7 @@ def test_profile_writes_trace_and_png(tmp_path):
     trace = read(cfg["trace"])
     assert any(e.get("name") == "pcg.forward" for e in trace["traceEvents"])
     assert cfg["steps"] == 2 and cfg["kernels_per_step"] > 0 and 0 <= cfg["idle_fraction"] < 1
+    assert 0 <= cfg["steady_idle_fraction"] < 1
     assert "CPU ops" in cfg["events"]
     assert Path(data["timeline_png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -241,3 +242,17 @@ def test_env_record_commit_falls_back_and_can_be_given(tmp_path, monkeypatch):
     monkeypatch.setenv("PCG_COMMIT", "abc123")
     env = common.env_record("m", "cpu")
     assert env["commit"] == "abc123" and env["device"].startswith("CPU") and env["torch"]
+
+
+def test_profile_analysis_idle_overall_and_from_the_second_step():
+    from pcg_engine.bench import profile_analysis
+    step = dict(ph="X", cat="user_annotation", name="pcg.step", tid=1)
+    kernel = dict(ph="X", cat="kernel", name="k")
+    trace = {"traceEvents": [
+        {**step, "ts": 0, "dur": 10}, {**step, "ts": 10, "dur": 10},
+        {**kernel, "ts": 5, "dur": 3}, {**kernel, "ts": 12, "dur": 8}, {**kernel, "ts": 20, "dur": 10}]}
+    r = profile_analysis.analyze(trace, on_cuda=True)
+    # Busy 21 of the 25 µs from the first kernel; from step 2's start (10) on: 18 of 20.
+    assert r["idle_fraction"] == pytest.approx(4 / 25)
+    assert r["steady_idle_fraction"] == pytest.approx(2 / 20)
+    assert r["kernels_per_step"] == 1.5 and r["gaps_per_step"] == 0.5   # touching kernels merge
