@@ -14,6 +14,9 @@ request.token_ids (`sync`): placeholders only ever trail the real tokens, so the
 `_synced` entries never change and only the tail is re-read. Releasing the row (`unbind`) writes the
 row's values back into the request, which is a plain Request again (preempted, finished).
 
+Reading token_ids syncs (edits) the copy, so like the engine itself it is single-threaded: read
+outputs on the thread that steps the engine (the load test's engine thread does).
+
 `epoch` counts the bindings of each row: a step records it, so a token read back after its row was
 released (and perhaps handed to another request) is recognised as stale.
 """
