@@ -107,54 +107,24 @@ class SkinnyConfig:
     num_stages: int = 3
 
 
-# (rows bucket, N, K) -> config, for bf16 on the H200; only shapes where the kernel beat F.linear by
-# >= 5% in `scripts/bench_skinny_gemm.py` (commit 779222f, docs/PERF.md). Rows are bucketed to the
-# next power of two (1, 2, 4, 8, 16). The big wins are the narrow Qwen3-0.6B matrices (N = 1024:
-# o_proj 3.3x, down_proj 1.5x at one row), where cuBLAS leaves most SMs idle; the wide ones
-# (gate_up, 8B qkv) cuBLAS already streams at 2-4 TB/s and keep F.linear.
+# (rows bucket, N, K) -> config, for bf16 on the H200. Rows are bucketed to the next power of two.
+# Only the CUDA-core configs the model was measured with are kept: the narrow Qwen3-0.6B matrices
+# at 1-4 rows (o_proj and down_proj, N = 1024: 3.3x / 1.5x faster than cuBLAS at one row in
+# `scripts/bench_skinny_gemm.py`, commit 779222f), and the 0.6B qkv / gate_up projections at one
+# row, at parity with cuBLAS but folding the add + RMSNorm before them into the launch. In the
+# model (0.6B, batch-1 full_decode) the step went 1,375 -> 1,031 us of GPU. The sweep's tensor-core
+# winners (8B shapes, 8-16 rows, 1.02-1.2x in the sweep) are left out: the last H200 call measured
+# 8B batch-1 decode at 12.9 ms with them and their prologues (4.97 ms before), and no call was left
+# to tell which part did it (docs/PERF.md, session 3).
 TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 1024, 2048): SkinnyConfig(2, 1024, False, 4, 3),
-    (1, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
-    (1, 4096, 4096): SkinnyConfig(32, 256, True, 4, 4),
-    (1, 4096, 12288): SkinnyConfig(32, 256, True, 4, 4),
     (2, 1024, 2048): SkinnyConfig(2, 1024, False, 4, 3),
-    (2, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
-    (2, 4096, 4096): SkinnyConfig(64, 256, True, 4, 4),
-    (2, 4096, 12288): SkinnyConfig(64, 256, True, 4, 4),
-    (2, 6144, 4096): SkinnyConfig(64, 256, True, 4, 4),
     (4, 1024, 2048): SkinnyConfig(2, 1024, False, 4, 3),
+    (1, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
+    (2, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
     (4, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
-    (4, 4096, 4096): SkinnyConfig(64, 256, True, 4, 4),
-    (4, 4096, 12288): SkinnyConfig(64, 256, True, 4, 4),
-    (8, 1024, 2048): SkinnyConfig(16, 256, True, 4, 4),
-    (8, 1024, 3072): SkinnyConfig(16, 256, True, 4, 4),
-    (8, 4096, 4096): SkinnyConfig(64, 256, True, 4, 4),
-    (8, 4096, 12288): SkinnyConfig(64, 256, True, 4, 4),
-    (8, 24576, 4096): SkinnyConfig(64, 128, True, 4, 3),
-    (16, 1024, 2048): SkinnyConfig(16, 256, True, 4, 4),
-    (16, 1024, 3072): SkinnyConfig(16, 256, True, 4, 4),
-    (16, 4096, 4096): SkinnyConfig(32, 256, True, 4, 4),
-    # The projections right after an add + RMSNorm (qkv, gate_up: 0.6B and 8B), where the kernel
-    # is within 3% of cuBLAS (0.97-1.09x in the same sweep) but folds the norm in (NORM), which
-    # saves a 1.7 us launch per projection per step: their best tiles for every row bucket.
     (1, 4096, 1024): SkinnyConfig(4, 1024, False, 4, 3),
-    (2, 4096, 1024): SkinnyConfig(32, 128, True, 4, 4),
-    (4, 4096, 1024): SkinnyConfig(32, 128, True, 4, 4),
-    (8, 4096, 1024): SkinnyConfig(32, 128, True, 4, 4),
-    (16, 4096, 1024): SkinnyConfig(32, 256, True, 4, 4),
     (1, 6144, 1024): SkinnyConfig(4, 1024, False, 4, 3),
-    (2, 6144, 1024): SkinnyConfig(64, 256, True, 4, 4),
-    (4, 6144, 1024): SkinnyConfig(64, 256, True, 4, 4),
-    (8, 6144, 1024): SkinnyConfig(64, 256, True, 4, 4),
-    (16, 6144, 1024): SkinnyConfig(64, 256, True, 4, 4),
-    (1, 6144, 4096): SkinnyConfig(64, 256, True, 4, 4),
-    (4, 6144, 4096): SkinnyConfig(64, 256, True, 4, 4),
-    (8, 6144, 4096): SkinnyConfig(64, 256, True, 4, 4),
-    (16, 6144, 4096): SkinnyConfig(64, 256, True, 4, 4),
-    (1, 24576, 4096): SkinnyConfig(64, 128, True, 4, 3),
-    (2, 24576, 4096): SkinnyConfig(64, 128, True, 4, 3),
-    (4, 24576, 4096): SkinnyConfig(64, 128, True, 4, 3),
-    (16, 24576, 4096): SkinnyConfig(64, 128, True, 4, 3),
 }
 
 # PCG_SKINNY_GEMM=0 keeps F.linear everywhere (an A/B switch for benchmarks, read at fuse time).
@@ -231,15 +201,26 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
+def prologue_config(m: int, n: int, k: int) -> SkinnyConfig | None:
+    """The tuned config if a prologue (GATED, NORM) may fold into it: CUDA-core configs only.
+
+    The prologues were measured in the model on the CUDA-core path only (Qwen3-0.6B at one row:
+    1,070 -> 1,031 us of GPU a step). With tensor-core configs they made Qwen3-8B's batch-1 step
+    2.6x slower (P1 full_decode 4.97 -> 12.9 ms, docs/PERF.md session 3, last call), and batch
+    2-16 steps of 0.6B slower too; there the two-kernel path runs (projection still skinny)."""
+    config = tuned_config(m, n, k)
+    return config if config is not None and not config.use_dot else None
+
+
 def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, then @ w.T: one skinny launch for few-row CUDA inputs of a tuned shape,
-    else kernels/activation.py's SiLU-and-mul and F.linear (the same numbers either way)."""
+    else kernels/activation.py's SiLU-and-mul and `linear` (the same numbers either way)."""
     if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.shape[0] > 0:
-        config = tuned_config(gate_up.shape[0], w.shape[0], w.shape[1])
+        config = prologue_config(gate_up.shape[0], w.shape[0], w.shape[1])
         if config is not None and gate_up.dtype == w.dtype:
             return skinny_gemm(gate_up, w, config, gated=True)
     from pcg_engine.kernels.activation import silu_and_mul
-    return torch.nn.functional.linear(silu_and_mul(gate_up), w)
+    return linear(silu_and_mul(gate_up), w)
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -247,11 +228,11 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     """(rmsnorm(x + residual) * norm_weight @ w.T, x + residual): one skinny launch for few-row CUDA
     inputs of a tuned shape, else kernels/norm.py's fused add + norm and F.linear."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] > 0:
-        config = tuned_config(x.shape[0], w.shape[0], w.shape[1])
+        config = prologue_config(x.shape[0], w.shape[0], w.shape[1])
         if config is not None and x.dtype == w.dtype == residual.dtype:
             residual_out = torch.empty_like(x)
             y = skinny_gemm(x, w, config, norm=(residual, norm_weight, eps, residual_out))
             return y, residual_out
     from pcg_engine.kernels.norm import add_rms_norm
     h, residual_out = add_rms_norm(x, residual, norm_weight, eps)
-    return torch.nn.functional.linear(h, w), residual_out
+    return linear(h, w), residual_out

@@ -167,3 +167,10 @@ def test_gpu_norm_prologue_is_bitwise_the_two_kernel_path(m):
         # The norm's row sum may be reduced in another order than the norm kernel's: equal up to
         # an ulp of the normalised input, far below bf16 noise of the GEMM.
         torch.testing.assert_close(y, skinny_gemm(h, w, config), rtol=2e-2, atol=2e-2)
+
+
+def test_prologues_fold_only_into_cuda_core_configs(monkeypatch):
+    monkeypatch.setattr(sg, "TUNED", {(1, 32, 64): SkinnyConfig(4, 64, False), (2, 32, 64): SkinnyConfig(16, 32, True)})
+    assert sg.prologue_config(1, 32, 64) == SkinnyConfig(4, 64, False)
+    assert sg.prologue_config(2, 32, 64) is None        # tensor-core config: two kernels instead
+    assert sg.tuned_config(2, 32, 64) == SkinnyConfig(16, 32, True)   # the projection alone still may
