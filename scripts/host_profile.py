@@ -25,7 +25,7 @@ from pcg_engine.bench import common
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name")
     p.add_argument("--mode", default="piecewise")
     p.add_argument("--requests", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     kw = {"mode": args.mode, "max_num_seqs": max(args.requests, 1)}
     if args.sync:
         kw["async_scheduling"] = False
-    llm = common.build_llm(args.model, **kw)
+    llm = common.build_llm(common.resolve_model(args.model), **kw)
     engine = llm.engine
     rng = np.random.default_rng(0)
     prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)

@@ -256,3 +256,15 @@ def test_profile_analysis_idle_overall_and_from_the_second_step():
     assert r["idle_fraction"] == pytest.approx(4 / 25)
     assert r["steady_idle_fraction"] == pytest.approx(2 / 20)
     assert r["kernels_per_step"] == 1.5 and r["gaps_per_step"] == 0.5   # touching kernels merge
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_host_profile_script_runs(phase, capsys, monkeypatch):
+    script = Path(__file__).resolve().parents[2] / "scripts" / "host_profile.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", "tiny-qwen3", "--mode", "eager", "--requests", "2",
+                                      "--prompt-len", "8", "--steps", "2", "--top", "5", "--phase", phase])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(script), run_name="__main__")
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert f"=== cProfile, mode eager, 2 requests, {phase}, 2 steps" in out and "function calls" in out
