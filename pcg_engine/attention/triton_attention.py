@@ -34,23 +34,25 @@ variant a step meets for the first time costs a JIT compile (~0.1-1 s) in the mi
 so the per-step values stay out of the key: the split count is a runtime argument (only whether
 the step splits, the merge kernel's power-of-two pad and the tuning are constexprs), T, num_reqs
 and num_splits are not specialised, and the partial buffers' token dimension is rounded up to 16
-so their strides keep one class. What is left, `kernel_variant`, is a handful of tuples that engine/warmup.py
-compiles at start-up.
+so their strides keep one class. What is left, `kernel_variant` (launch_config.py, with the other
+host-side choices), is a handful of tuples that engine/warmup.py compiles at start-up.
 
 Contract (torch_backend.paged_attention_reference): causal within the chunk, request r's queries
 are the last n of its seq_len positions; seq_len 0 -> zeros; query_start_loc[0] == 0.
 """
 
-import functools
 import math
 import os
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_SPLITS = 64
+# The launch's host-side choices live in launch_config.py; re-exported here, where callers look.
+from pcg_engine.attention.launch_config import (  # noqa: F401
+    DECODE_TUNING, MAX_SPLITS, SPLIT_DECODE_TUNING, SPLIT_PROGRAMS_PER_SM, DecodeTuning, KernelVariant,
+    _clamp_splits, choose_num_splits, host_cdiv, host_next_pow2, kernel_variant)
+
 SEARCH_BLOCK = 128  # requests per vector load when a program looks up its request
 # Triton's CPU interpreter computes bf16 tl.dot on the raw bits (garbage); there, and only there,
 # bf16 operands are upcast to fp32 so the CPU tests still check the kernel's logic in bf16.
@@ -287,119 +289,6 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     w_sum = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
-
-
-# Host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr functions that cost
-# ~5 us a call, and this file's launch path ran about eight of them per layer per eager step.
-def host_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def host_next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-class DecodeTuning(NamedTuple):
-    """Launch choices of a decode step (max_query_len <= 1), one set for steps without split-KV
-    and one with it (module defaults below; unified_attention's `tuning` overrides them, which is
-    how scripts/bench_kernels.py sweeps them). head_dim 256 halves tile_n (register budget)."""
-
-    tile_n: int = 64          # keys per loop iteration (>= 16; paged blocks are gathered per token)
-    num_warps: int = 4
-    num_stages: int = 2       # software-pipeline depth of the K/V tile loads
-    fused_merge: bool = False  # split-KV: the last program of each (q-block, kv head) merges
-    merge_per_thread: int = 16  # fp32 partials a thread loads per step of that merge (see below)
-
-
-DECODE_TUNING = DecodeTuning()
-SPLIT_DECODE_TUNING = DecodeTuning()
-SPLIT_PROGRAMS_PER_SM = 4  # choose_num_splits' target (B1 x 8192, Hk 8: 4 -> 64 splits, 2 -> 33)
-
-
-def _tile_config(head_dim: int, group: int, max_query_len: int, tuning: DecodeTuning):
-    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages) from host values fixed per bucket."""
-    group_pad = host_next_pow2(group)
-    if max_query_len <= 1:  # decode: the GQA group is the M dim, padded to tl.dot's minimum 16
-        block_m = max(16, group_pad)
-        tile_n = tuning.tile_n if head_dim <= 128 else max(16, tuning.tile_n // 2)
-        return block_m, block_m // group_pad, tile_n, tuning.num_warps, tuning.num_stages
-    cap = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
-    block_m = max(group_pad, min(cap, max(16, host_next_pow2(max_query_len) * group_pad)))
-    tile_n = 64 if head_dim <= 128 else 32
-    return block_m, block_m // group_pad, tile_n, 4, 2
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 4
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:   # asked per layer per eager step: a property lookup is µs
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int,
-                      head_dim: int, max_query_len: int, max_seq_len: int, device) -> int:
-    """Splits so that small batches with long contexts still fill the GPU. Host values only;
-    max_seq_len changes per step, so a graph-captured step must not use this (pass 1)."""
-    block_m, block_q, _, _, _ = _tile_config(head_dim, num_heads // num_kv_heads, max_query_len,
-                                             SPLIT_DECODE_TUNING)
-    busy = min(num_reqs + num_tokens // block_q, num_tokens) * num_kv_heads  # programs with work
-    sms = _num_sms(device)
-    # in units of the default decode tile, whatever tile the tuning picks
-    tiles = host_cdiv(max_seq_len, 64 if head_dim <= 128 else 32)
-    # Split only when the GPU would be under-filled, and only with 8+ key tiles: below that the
-    # merge kernel's launch (tens of µs of host time in an eager step, per layer) costs more than
-    # the parallelism gains, so batch 1 starts splitting at 512 keys.
-    if busy >= sms or tiles < 8:
-        return 1
-    # Then aim at SPLIT_PROGRAMS_PER_SM, >= 2 tiles a split. Measured on the H200 at batch 1 x 8192
-    # keys (Hq 16, Hk 8): 8 / 16 / 32 / 64 splits ran 37.7 / 25.1 / 20.7 / 17.1 µs.
-    splits = min(host_cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(busy, 1)), tiles // 2, MAX_SPLITS)
-    return max(1, splits)
-
-
-class KernelVariant(NamedTuple):
-    """The host-side choices of one unified_attention call that select compiled binaries; with the
-    model's shapes and dtype fixed, two calls with equal variants run the same binaries."""
-
-    block_m: int
-    block_q: int
-    tile_n: int
-    num_warps: int
-    num_stages: int
-    decode: bool       # max_query_len <= 1: the search-free grid
-    split: bool        # num_splits > 1: partial results, merged by ...
-    splits_pad: int    # ... the merge kernel's power-of-two pad of num_splits (else 0)
-    fused_merge: bool  # ... the main kernel's last program of each (q-block, kv head), or a kernel
-    merge_chunk: int   # splits a load of that fused merge (0 without it)
-
-
-def kernel_variant(num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
-                   num_splits: int, tuning: DecodeTuning | None = None) -> KernelVariant:
-    """What unified_attention compiles for these host values (it launches from this very tuple,
-    so the warm-up that enumerates it cannot drift from the kernel). `tuning` (decode launches,
-    and fused_merge for every split launch) defaults to the module's DecodeTuning for the case."""
-    splits = _clamp_splits(num_splits)
-    if tuning is None:
-        tuning = SPLIT_DECODE_TUNING if splits > 1 else DECODE_TUNING
-    block_m, block_q, tile_n, num_warps, num_stages = _tile_config(head_dim, num_heads // num_kv_heads,
-                                                                   max_query_len, tuning)
-    fused = splits > 1 and tuning.fused_merge
-    # Registers: ptxas sizes the whole kernel for its largest part, so a merge chunk larger than
-    # ~16 floats a thread raises the main loop's count and lowers its occupancy (sm_90: 2048 at
-    # 4 warps keeps 104 registers, 4096 gives 134, 8192 spills).
-    per_load = host_next_pow2(tuning.merge_per_thread * 32 * num_warps)
-    merge_chunk = max(1, per_load // (host_next_pow2(num_heads // num_kv_heads) * head_dim)) if fused else 0
-    return KernelVariant(block_m, block_q, tile_n, num_warps, num_stages, max_query_len <= 1, splits > 1,
-                         host_next_pow2(splits) if splits > 1 and not fused else 0, fused, merge_chunk)
-
-
-def _clamp_splits(num_splits: int) -> int:
-    return max(1, min(int(num_splits), MAX_SPLITS))
 
 
 _COUNTERS: dict = {}

@@ -17,9 +17,10 @@ from contextlib import contextmanager
 import torch
 
 from pcg_engine.attention.backend import AttentionBackend
+from pcg_engine.attention.launch_config import choose_num_splits, kernel_variant
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.attention.rope_kv import rope_and_write_kv
-from pcg_engine.attention.triton_attention import choose_num_splits, kernel_variant, unified_attention
+from pcg_engine.attention.triton_attention import unified_attention
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -13,7 +13,7 @@ has one variant per model: T sets only its grid.)
 What runs: dummy steps through the runner's own path (`pick_padding`: full decode graph,
 piecewise, compiled or eager) and the real attention backend, one step per new pair of
   * attention variant: `backend.kernel_variant(meta, split_kv)`, the tuple the Triton backend
-    launches from (triton_attention.kernel_variant), so the enumeration cannot drift from it;
+    launches from (launch_config.kernel_variant), so the enumeration cannot drift from it;
   * token variant: `token_variant(sites, T)`, what the fused kernels of kernels/ choose from the
     row counts the model gives them (their own launch-config functions, plus Triton's class of
     each size argument).
@@ -36,8 +36,8 @@ from types import SimpleNamespace
 import torch
 
 from pcg_engine.attention.context import ForwardContext, set_forward_context
+from pcg_engine.attention.launch_config import host_cdiv
 from pcg_engine.attention.metadata import AttentionMetadata
-from pcg_engine.attention.triton_attention import host_cdiv
 from pcg_engine.kernels import activation, fused_moe, norm
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from engine_helpers import make_llm, random_prompts
-from pcg_engine.attention import triton_attention
+from pcg_engine.attention import launch_config, triton_attention
 from pcg_engine.attention.triton_backend import TritonAttentionBackend
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
 from pcg_engine.compile.setup import token_buckets_for
@@ -85,7 +85,7 @@ MOE_30B = (("norm", 1, 2048), ("norm", 4, 128), ("norm", 32, 128), ("moe", 1, (8
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise", "compile", "full_decode", "eager"])
 @pytest.mark.parametrize("shapes", ["qwen3-0.6b", "qwen3-30b-a3b"])
 def test_plan_covers_random_legal_steps(mode, shapes, monkeypatch):
-    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: H200_SMS)
+    monkeypatch.setattr(launch_config, "_num_sms", lambda device: H200_SMS)
     Hq, Hk, sites = (16, 8, DENSE_06B) if shapes == "qwen3-0.6b" else (32, 4, MOE_30B)
     runner = fake_runner(mode, Hq, Hk, 128)
     steps = warmup.plan(runner, sites)
@@ -161,7 +161,7 @@ def record_launches(monkeypatch):
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_serving_after_warmup_launches_nothing_new(preset, mode, tiny_paths, record_launches, monkeypatch):
     # H200's SM count makes small steps split the KV (the CPU default, 4, hardly ever does).
-    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: H200_SMS)
+    monkeypatch.setattr(launch_config, "_num_sms", lambda device: H200_SMS)
     llm = make_llm(tiny_paths[preset], mode=mode, attention_backend="triton", kernels=True, kernel_warmup=False,
                    max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False)
     steps = warmup.warm_up(llm.engine.runner)
