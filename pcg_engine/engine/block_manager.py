@@ -17,6 +17,8 @@ from array import array
 from collections import OrderedDict, deque
 from hashlib import sha256
 
+import numpy as np
+
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
 
 SCRATCH_BLOCK = 0
@@ -248,6 +250,57 @@ class BlockManager:
                 block.hash, block.parent_hash, block.tokens = h, parent, tuple(chunk)
                 self._hash_to_block[h] = block.block_id
             parent = h
+
+    def cache_full_blocks_rows(self, requests, token_ids: np.ndarray, rows: np.ndarray,
+                               num_full: np.ndarray) -> None:
+        """cache_full_blocks for requests bound to rows of one token array, in one go.
+
+        requests[i] holds its tokens in token_ids[rows[i]] and has num_full[i] full blocks of computed
+        tokens (min(computed, tokens) // block_size). The decode step's case, one new full block per
+        request, is done here with the same hashes as cache_full_blocks: the blocks' tokens are
+        gathered from the rows by one numpy indexing, checked for placeholders by one comparison, and
+        hash_block's bytes (native int64, as array("q")) come from one tobytes(), so what is left per
+        block is the sha256 and the dict updates. Any other request (several blocks to publish, or
+        none) goes through cache_full_blocks.
+        """
+        if not self.enable_prefix_caching or not len(requests):
+            return
+        bs, hashes_of, tables, blocks = self.block_size, self._hashes, self._tables, self.blocks
+        hash_fn, hash_to_block = self.hash_fn, self._hash_to_block
+        full = num_full.tolist()
+        last = np.maximum(num_full - 1, 0)
+        chunks = token_ids[rows[:, None], last[:, None] * bs + np.arange(bs)]
+        held = (chunks == PLACEHOLDER).any(axis=1).tolist()
+        lists = chunks.tolist()
+        fast = hash_fn is hash_block and chunks.dtype == np.int64     # array("q")'s bytes
+        data = chunks.tobytes() if fast else None
+        width = bs * chunks.itemsize
+        for j, request in enumerate(requests):
+            rid = request.request_id
+            hashes = hashes_of.get(rid)
+            if hashes is None:
+                continue
+            n = full[j]
+            table = tables[rid]
+            if len(hashes) != n - 1 or n > len(table):
+                if len(hashes) < min(n, len(table)):
+                    self.cache_full_blocks(request)      # several blocks wait: the general path
+                continue
+            if held[j]:
+                continue                                 # published once the placeholder is resolved
+            parent = hashes[-1] if hashes else None
+            if fast:
+                h = sha256(parent or b"")
+                h.update(data[j * width:(j + 1) * width])
+                h = h.digest()
+            else:
+                h = hash_fn(parent, lists[j])
+            hashes.append(h)
+            block = blocks[table[n - 1]]
+            # Same content computed twice (or a collision): keep the first copy, leave this one private.
+            if block.hash is None and h not in hash_to_block:
+                block.hash, block.parent_hash, block.tokens = h, parent, tuple(lists[j])
+                hash_to_block[h] = block.block_id
 
     # Addressing ----------------------------------------------------------------------------------
 

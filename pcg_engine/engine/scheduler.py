@@ -322,8 +322,12 @@ class Scheduler:
                     # A block ending in a placeholder is published when that token is resolved
                     # (and, placeholders trailing, no earlier block waits): skip the call.
                     filled = filled[state.token_ids[rows[filled], after[filled] - 1] != PLACEHOLDER]
-                    for i in filled.tolist():
-                        cache_full_blocks(scheduled[i][0])
+                    if len(filled):
+                        # One batched call: tokens straight from the rows, not per request.
+                        at = rows[filled]
+                        self.block_manager.cache_full_blocks_rows(
+                            list(map(scheduled.requests.__getitem__, filled.tolist())), state.token_ids, at,
+                            np.minimum(after[filled], state.num_tokens[at]) // bs)
             return
         for request, num_new in scheduled:
             before = request.num_computed_tokens

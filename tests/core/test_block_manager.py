@@ -1,10 +1,12 @@
 """Block manager: allocation, reference counts, the hash-chained prefix cache, the scratch block."""
 
+import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from pcg_engine.engine.block_manager import SCRATCH_BLOCK, BlockManager
+from pcg_engine.engine.block_manager import SCRATCH_BLOCK, BlockManager, hash_block
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
 
 BS = 4
@@ -292,3 +294,76 @@ def test_preempted_request_resumes_from_cache_and_keeps_first_hit_count():
     assert bm.allocate(b, 1)
     assert b.num_computed_tokens == 12 and b.num_cached_tokens == 8
     bm.check_invariants()
+
+
+def _state(bm):
+    return (list(bm._free_plain), list(bm._free_cached), dict(bm._hash_to_block),
+            {k: list(v) for k, v in bm._tables.items()}, {k: list(v) for k, v in bm._hashes.items()},
+            [(b.ref_count, b.hash, b.parent_hash, b.tokens) for b in bm.blocks])
+
+
+@pytest.mark.parametrize("custom_hash", [False, True])
+@pytest.mark.parametrize("seed", range(8))
+def test_batched_publishing_matches_per_request(seed, custom_hash):
+    """cache_full_blocks_rows (tokens gathered from numpy rows) leaves exactly the state that
+    cache_full_blocks per request does: same hashes, same published blocks, same free lists, on
+    random growing sequences with shared prefixes, trailing placeholders resolved later, frees and
+    re-admissions (prefix hits). With a custom hash_fn the batched path calls it (never on a
+    placeholder)."""
+    rng = random.Random(seed)
+    seen = []
+
+    def checked(parent, tokens):
+        assert PLACEHOLDER not in list(tokens)
+        seen.append(1)
+        return hash_block(parent, tokens)
+
+    kw = {"hash_fn": checked} if custom_hash else {}
+    per, bat = BlockManager(200, BS, **kw), BlockManager(200, BS, **kw)
+    R, width = 6, 120
+    rows = np.zeros((R, width), dtype=np.int64)
+    live = {}                                  # row -> (per-request twin, batched twin)
+    prefixes = [[rng.randint(0, 5) for _ in range(rng.randint(0, 12))] for _ in range(3)]
+    n = 0
+    for _ in range(150):
+        free_rows = [r for r in range(R) if r not in live]
+        if free_rows and rng.random() < 0.3:   # admit (perhaps hitting the cache)
+            row = rng.choice(free_rows)
+            prompt = rng.choice(prefixes) + [rng.randint(0, 5) for _ in range(rng.randint(1, 9))]
+            n += 1
+            a, b = req(f"r{n}", prompt, 99), req(f"r{n}", prompt, 99)
+            k = len(prompt) - per.get_num_cached_prefix_tokens(a)
+            assert per.allocate(a, k) and bat.allocate(b, k)
+            assert a.num_computed_tokens == b.num_computed_tokens
+            live[row] = (a, b)
+        for row, (a, b) in list(live.items()):
+            roll = rng.random()
+            if roll < 0.1:                     # finish
+                per.free(a), bat.free(b)
+                del live[row]
+                continue
+            if roll < 0.5 and a.num_tokens < width - 2:         # compute what is there, append
+                new = a.num_tokens - a.num_computed_tokens
+                assert per.allocate(a, new + 1) and bat.allocate(b, new + 1)
+                for r in (a, b):
+                    r.num_computed_tokens += new
+                tok = PLACEHOLDER if rng.random() < 0.4 else rng.randint(0, 5)
+                a.append_output(tok), b.append_output(tok)
+            elif a.num_placeholders:           # resolve the oldest placeholder
+                i = a.token_ids.index(PLACEHOLDER)
+                tok = rng.randint(0, 5)
+                a.resolve_placeholder(i, tok), b.resolve_placeholder(i, tok)
+        if not live:
+            continue
+        order = rng.sample(sorted(live), rng.randint(1, len(live)))
+        for row in order:
+            a, b = live[row]
+            rows[row, :b.num_tokens] = b.token_ids
+            per.cache_full_blocks(a)
+        bs = np.array(order)
+        full = np.array([min(live[r][1].num_computed_tokens, live[r][1].num_tokens) // BS for r in order])
+        bat.cache_full_blocks_rows([live[r][1] for r in order], rows, bs, full)
+        assert _state(per) == _state(bat)
+        per.check_invariants(), bat.check_invariants()
+    assert per.num_cached_blocks > 5          # the walk did publish (and so compared) something
+    assert not custom_hash or seen
