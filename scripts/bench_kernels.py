@@ -26,6 +26,19 @@ MATMUL_TFLOPS = 790.0   # dense bf16 matmul, measured
 DTYPE = torch.bfloat16
 
 
+def median_replay_ms(graph, replays: int) -> float:
+    """Median GPU milliseconds of one replay of a captured graph, each replay timed by CUDA events."""
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def time_us(fn, reps: int = 10) -> float:
     """GPU time of one fn() with a cold L2, from CUDA-graph replays.
 
@@ -45,15 +58,7 @@ def time_us(fn, reps: int = 10) -> float:
                 if with_fn:
                     fn()
         graph.replay()
-        times = []
-        for _ in range(7):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+        return median_replay_ms(graph, 7)
 
     return max(median_ms(True) - median_ms(False), 0.0) / reps * 1e3
 
@@ -204,16 +209,9 @@ class AttentionShape:
             run()
         for _ in range(3):
             graph.replay()
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        ms = median_replay_ms(graph, 10)
         del graph
-        return sorted(times)[len(times) // 2] * 1e3 / self.calls
+        return ms * 1e3 / self.calls
 
     def error(self, splits, tuning=None):
         """Relative error of set 0 against the torch reference, fresh eager call on a poisoned out

@@ -23,6 +23,15 @@ import torch
 from pcg_engine.bench import common
 
 
+def restart(engine, ids, prompts, params) -> list:
+    """Abort the requests, let the engine drain, add the prompts again: the prefill phase anew."""
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [engine.add_request(pr, params) for pr in prompts]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint directory or preset name")
@@ -46,15 +55,11 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
     params = common.bench_params(3 * args.steps + 40)
+    ids = [engine.add_request(pr, params) for pr in prompts]
     if args.phase == "prefill":   # warm the same step shapes up once, then start over
-        warm = [engine.add_request(pr, params) for pr in prompts]
         for _ in range(args.steps):
             engine.step()
-        for rid in warm:
-            engine.abort_request(rid)
-        while engine.has_unfinished_requests():
-            engine.step()
-    ids = [engine.add_request(pr, params) for pr in prompts]
+        ids = restart(engine, ids, prompts, params)
     requests = [engine.requests[i] for i in ids]
     if args.phase == "decode":
         while any(r.first_token_time is None for r in requests):
@@ -80,11 +85,7 @@ def main(argv=None) -> int:
 
     if torch.cuda.is_available():
         if args.phase == "prefill":
-            for rid in ids:
-                engine.abort_request(rid)
-            while engine.has_unfinished_requests():
-                engine.step()
-            ids = [engine.add_request(pr, params) for pr in prompts]
+            ids = restart(engine, ids, prompts, params)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as tp:
             for _ in range(args.steps):

@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pcg_engine.kernels.activation import silu_and_mul
+from pcg_engine.kernels.norm import add_rms_norm
+
 MAX_M = 16   # more rows than this and the projection is no longer weight-bound enough to matter
 
 
@@ -219,7 +222,6 @@ def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         config = prologue_config(gate_up.shape[0], w.shape[0], w.shape[1])
         if config is not None and gate_up.dtype == w.dtype:
             return skinny_gemm(gate_up, w, config, gated=True)
-    from pcg_engine.kernels.activation import silu_and_mul
     return linear(silu_and_mul(gate_up), w)
 
 
@@ -233,6 +235,5 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
             residual_out = torch.empty_like(x)
             y = skinny_gemm(x, w, config, norm=(residual, norm_weight, eps, residual_out))
             return y, residual_out
-    from pcg_engine.kernels.norm import add_rms_norm
     h, residual_out = add_rms_norm(x, residual, norm_weight, eps)
     return linear(h, w), residual_out
