@@ -31,7 +31,7 @@ part() {
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06.json 2>&1 | tail -12 ;;
     p1_noskinny) PCG_SKINNY_GEMM=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_noskinny.json 2>&1 | tail -7 ;;   # the A/B of the skinny GEMM
-    p5) timeout $(lim 150) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json 2>&1 | tail -8 ;;
+    p5) timeout $(lim 200) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json ${P5_ARGS:-} 2>&1 | tail -8 ;;
     load8b) timeout $(lim 90) $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
     p1_8b) timeout $(lim 240) $B latency --model $(model qwen3-8b) --modes eager,full_decode,piecewise,full_and_piecewise --num-iters 2 \
           --warmup-iters 1 --json $OUT/p1_q8b.json 2>&1 | tail -8 ;;

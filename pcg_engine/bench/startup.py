@@ -19,19 +19,33 @@ import time
 from pcg_engine.bench.common import env_record, print_table, resolve_model, write_json
 
 _CHILD = """
-import json, sys, time
+import json, os, sys, time
 t0 = time.perf_counter()
+prof_path = os.environ.get("PCG_STARTUP_PROFILE")
+if prof_path:  # where the seconds go, by function (cumulative), written as text beside the JSON
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
 from pcg_engine.llm import LLM
 imports_s = time.perf_counter() - t0
 cfg = json.loads(sys.argv[1])
 llm = LLM(cfg.pop("model"), **cfg)
 runner = llm.engine.runner
+if prof_path:
+    import io, pstats
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(120)
+    with open(prof_path, "w") as f:
+        f.write(text.getvalue())
 print("PCG_READY " + json.dumps({"timings": {"imports_s": imports_s, **runner.timings}, "mode": runner.mode}), flush=True)
 """
 
 
-def run_once(model: str, config: dict, cache_root: str) -> dict:
+def run_once(model: str, config: dict, cache_root: str, profile_path: str | None = None) -> dict:
     env = dict(os.environ)
+    if profile_path:
+        env["PCG_STARTUP_PROFILE"] = profile_path
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(cache_root, "triton")
     payload = json.dumps({"model": model, "compile_cache_dir": os.path.join(cache_root, "pcg"), **config})
@@ -57,13 +71,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile-dir", default=None, help="write a cProfile summary of each run (cold.txt, warm.txt) here")
     args = p.parse_args(argv)
     model = resolve_model(args.model)
     config = {"mode": args.mode, "device": args.device, "max_num_seqs": args.max_num_seqs}
     with tempfile.TemporaryDirectory(prefix="pcg-startup-") as root:
         os.chmod(root, 0o700)
-        cold = run_once(model, config, root)
-        warm = run_once(model, config, root)
+        prof = (lambda name: os.path.join(args.profile_dir, f"{name}.txt")) if args.profile_dir else (lambda name: None)
+        if args.profile_dir:
+            os.makedirs(args.profile_dir, exist_ok=True)
+        cold = run_once(model, config, root, prof("cold"))
+        warm = run_once(model, config, root, prof("warm"))
     rows = []
     for name, r in (("cold", cold), ("warm", warm)):
         t = r["timings"]
