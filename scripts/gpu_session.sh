@@ -8,7 +8,7 @@
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0),
-# p4 (host overhead), overhead (the overhead table), profile, kernels, hostprof (scripts/host_profile.py
+# p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
@@ -53,6 +53,10 @@ part() {
     overhead) for n in ${OVERHEAD_N:-16 64 256}; do
             timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests $n --slots $n --new-tokens 64 \
               --json $OUT/overhead$n.json 2>&1 | tail -12
+          done ;;
+    overhead32) for n in ${OVERHEAD_N:-16 64 256}; do   # same_tokens in float32 (see pcg_engine/bench/overhead.py)
+            timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests $n --slots $n --new-tokens 64 --dtype float32 \
+              --json $OUT/overhead32_$n.json 2>&1 | tail -12
           done ;;
     profile) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 256 --configs 'full graphs,full graphs + async' --out-dir $OUT/profile 2>&1 | tail -12 ;;
     hostprof) for mo in ${HOSTPROF_MODES:-piecewise full_decode}; do   # cProfile + kernel list of batch-1 decode

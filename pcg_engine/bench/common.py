@@ -129,7 +129,7 @@ def engine_config(llm) -> dict:
     import dataclasses
     cfg = dataclasses.asdict(llm.config)
     cfg.update(resolved_mode=llm.engine.runner.mode, resolved_async_scheduling=llm.engine.async_scheduling,
-               resolved_device=str(llm.engine.device))
+               resolved_device=str(llm.engine.device), resolved_dtype=str(llm.engine.runner.dtype).removeprefix("torch."))
     return cfg
 
 
