@@ -2,8 +2,9 @@
 
 The model is built on the meta device, given empty storage on the target device, and filled
 tensor by tensor from the safetensors shards (opened on the target device), so a large model is
-never copied whole through host memory. Loading never executes checkpoint code: configs go through
-transformers' own config classes (no trust_remote_code) and pickled `.bin` weights are refused.
+never copied whole through host memory. Loading never executes checkpoint code: config.json is read
+by the project's own validating reader (models/model_config.py; transformers is not imported on the
+start-up path) and pickled `.bin` weights are refused.
 Every failure names the file and the tensor or field; a failed load leaves no model behind.
 """
 
@@ -16,48 +17,16 @@ from safetensors import safe_open
 
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.fuse import fuse as fuse_model
+from pcg_engine.models.model_config import ModelConfig, read_config
 from pcg_engine.models.qwen3 import Qwen3ForCausalLM
 
-SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
-def load_config(path: Path):
-    """config.json through transformers' config class for its model_type, after our own checks."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory does not exist")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: missing (a Hugging Face checkpoint needs config.json)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_file}: expected a JSON object")
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED), None)
-    if arch is None:
-        raise CheckpointError(f"{cfg_file}: field 'architectures' is {archs!r}; supported: {sorted(SUPPORTED)}")
-    if raw.get("model_type") != SUPPORTED[arch]:
-        raise CheckpointError(f"{cfg_file}: field 'model_type' is {raw.get('model_type')!r}; "
-                              f"{arch} needs {SUPPORTED[arch]!r}")
-    from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
-    except Exception as e:  # transformers raises several types for bad fields
-        raise CheckpointError(f"{cfg_file}: rejected by transformers ({e})") from None
-    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "vocab_size", "rms_norm_eps"):
-        value = getattr(config, field, None)
-        if value is None or value <= 0:
-            raise CheckpointError(f"{cfg_file}: field {field!r} must be > 0, got {value!r}")
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise CheckpointError(f"{cfg_file}: num_attention_heads ({config.num_attention_heads}) must be a "
-                              f"multiple of num_key_value_heads ({config.num_key_value_heads})")
-    return config
+def load_config(path: Path) -> ModelConfig:
+    """config.json through the project's own reader (models/model_config.py): no transformers import."""
+    return read_config(path)
 
 
 def weight_files(path: Path) -> list[Path]:

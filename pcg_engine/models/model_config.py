@@ -1,0 +1,201 @@
+"""The model's config.json, read by the project itself: the fields Qwen3 / Qwen3-MoE use, validated.
+
+Why not transformers' AutoConfig: importing transformers costs seconds of start-up (on the H200 it
+pulled in sklearn, torch.distributed's tensor and FSDP modules and an importlib.metadata scan of
+every installed package) to read a dozen numbers. transformers remains the reference the tests
+compare against and the tokenizer library, loaded only when text is encoded or decoded.
+
+Fields that fix a tensor shape are required: a missing one is an error naming it, where
+transformers would fill in its own default (a 4096-wide model) and fail later on the weights.
+Optional fields take transformers' defaults. Features the flat model does not implement (scaled
+RoPE, sliding-window attention, attention biases) are refused by name rather than ignored.
+Both spellings of renamed fields are accepted: the hub's (`rope_theta`, `num_experts`,
+`rope_scaling`) and transformers 5's serialisation (`rope_parameters`, `num_local_experts`).
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pcg_engine.errors import CheckpointError
+
+SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the flat model and the runner read of a checkpoint's config.json."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int          # dense MLP width (0 for a MoE model whose every layer is sparse)
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    # Qwen3-MoE (num_experts 0: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.is_moe and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    def to_json_string(self) -> str:
+        """Canonical JSON of every field (the compile cache keys on it)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _positive_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def _int_list(v):
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+# name -> (spellings in config.json, check, what the error says is allowed, default)
+_COMMON = {
+    "vocab_size": (("vocab_size",), _positive_int, "an int > 0", _REQUIRED),
+    "hidden_size": (("hidden_size",), _positive_int, "an int > 0", _REQUIRED),
+    "num_hidden_layers": (("num_hidden_layers",), _positive_int, "an int > 0", _REQUIRED),
+    "num_attention_heads": (("num_attention_heads",), _positive_int, "an int > 0", _REQUIRED),
+    "num_key_value_heads": (("num_key_value_heads",), _positive_int, "an int > 0", _REQUIRED),
+    "head_dim": (("head_dim",), _positive_int, "an int > 0", None),
+    "intermediate_size": (("intermediate_size",), _positive_int, "an int > 0", None),
+    "rms_norm_eps": (("rms_norm_eps",), _positive_number, "a number > 0", 1e-6),
+    "max_position_embeddings": (("max_position_embeddings",), _positive_int, "an int > 0", 32768),
+    "tie_word_embeddings": (("tie_word_embeddings",), lambda v: isinstance(v, bool), "true or false", False),
+}
+_MOE = {
+    "num_experts": (("num_experts", "num_local_experts"), _positive_int, "an int > 0", _REQUIRED),
+    "num_experts_per_tok": (("num_experts_per_tok",), _positive_int, "an int > 0", _REQUIRED),
+    "moe_intermediate_size": (("moe_intermediate_size",), _positive_int, "an int > 0", _REQUIRED),
+    "norm_topk_prob": (("norm_topk_prob",), lambda v: isinstance(v, bool), "true or false", False),
+    "decoder_sparse_step": (("decoder_sparse_step",), _positive_int, "an int > 0", 1),
+    "mlp_only_layers": (("mlp_only_layers",), _int_list, "a list of layer indices", []),
+}
+
+
+def _field(raw: dict, where: str, name: str, spec):
+    spellings, ok, allowed, default = spec
+    present = [s for s in spellings if raw.get(s) is not None]
+    values = {raw[s] for s in present if isinstance(raw[s], (int, float, str, bool))}
+    if len(values) > 1:
+        raise CheckpointError(f"{where}: fields {' and '.join(map(repr, present))} disagree "
+                              f"({', '.join(repr(raw[s]) for s in present)})")
+    if not present:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{where}: field {name!r} is missing (allowed: {allowed})")
+        return default
+    value = raw[present[0]]
+    if not ok(value):
+        raise CheckpointError(f"{where}: field {present[0]!r} is {value!r}; allowed: {allowed}")
+    return value
+
+
+def _rope_theta(raw: dict, where: str) -> float:
+    """rope_theta from the top level (hub) or rope_parameters (transformers 5); only plain RoPE."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = raw.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise CheckpointError(f"{where}: field {key!r} is {params!r}; allowed: an object or null")
+        kind = params.get("rope_type", params.get("type"))
+        if kind not in (None, "default"):
+            raise CheckpointError(f"{where}: field {key!r} asks for rope_type {kind!r}; pcg-engine implements "
+                                  "only the default RoPE (rope_type 'default' or no scaling)")
+    thetas = {k: v for k, v in (("rope_theta", raw.get("rope_theta")),
+                                ("rope_parameters.rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta")))
+              if v is not None}
+    for key, value in thetas.items():
+        if not _positive_number(value):
+            raise CheckpointError(f"{where}: field {key!r} is {value!r}; allowed: a number > 0")
+    if len(set(thetas.values())) > 1:
+        raise CheckpointError(f"{where}: fields 'rope_theta' and 'rope_parameters.rope_theta' disagree "
+                              f"({thetas['rope_theta']!r}, {thetas['rope_parameters.rope_theta']!r})")
+    return float(next(iter(thetas.values()), 10000.0))
+
+
+def _refuse_unsupported(raw: dict, where: str) -> None:
+    if raw.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: field 'use_sliding_window' is true; pcg-engine implements only full "
+                              "attention (allowed: false)")
+    if raw.get("attention_bias"):
+        raise CheckpointError(f"{where}: field 'attention_bias' is true; the Qwen3 projections have no bias "
+                              "(allowed: false)")
+
+
+def parse_config(raw, where: str = "config.json") -> ModelConfig:
+    """A config.json's parsed JSON -> ModelConfig; CheckpointError naming `where` and the field."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: expected a JSON object")
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED), None) if isinstance(archs, list) else None
+    if arch is None:
+        raise CheckpointError(f"{where}: field 'architectures' is {archs!r}; supported: {sorted(SUPPORTED)}")
+    if raw.get("model_type") != SUPPORTED[arch]:
+        raise CheckpointError(f"{where}: field 'model_type' is {raw.get('model_type')!r}; "
+                              f"{arch} needs {SUPPORTED[arch]!r}")
+    _refuse_unsupported(raw, where)
+    specs = dict(_COMMON, **(_MOE if SUPPORTED[arch] == "qwen3_moe" else {}))
+    values = {name: _field(raw, where, name, spec) for name, spec in specs.items()}
+    values["mlp_only_layers"] = tuple(values.get("mlp_only_layers", ()))
+    heads, kv_heads = values["num_attention_heads"], values["num_key_value_heads"]
+    if heads % kv_heads:
+        raise CheckpointError(f"{where}: num_attention_heads ({heads}) must be a multiple of "
+                              f"num_key_value_heads ({kv_heads})")
+    if values["head_dim"] is None:          # what the model code does without it (and Qwen3-MoE's)
+        values["head_dim"] = values["hidden_size"] // heads
+    no_dense_width = values["intermediate_size"] is None
+    if no_dense_width:
+        values["intermediate_size"] = 0
+    config = ModelConfig(architecture=arch, model_type=SUPPORTED[arch], rope_theta=_rope_theta(raw, where),
+                         **values)
+    if config.is_moe and config.num_experts_per_tok > config.num_experts:
+        raise CheckpointError(f"{where}: field 'num_experts_per_tok' is {config.num_experts_per_tok}; allowed: "
+                              f"1..num_experts ({config.num_experts})")
+    dense = [i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)]
+    if dense and no_dense_width:
+        raise CheckpointError(f"{where}: field 'intermediate_size' is missing (allowed: an int > 0; layer "
+                              f"{dense[0]} has a dense MLP)")
+    return config
+
+
+def read_config(path) -> ModelConfig:
+    """<checkpoint>/config.json -> ModelConfig; never runs checkpoint code."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing (a Hugging Face checkpoint needs config.json)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+    return parse_config(raw, str(cfg_file))
+
+
+__all__ = ["ModelConfig", "SUPPORTED", "parse_config", "read_config"]

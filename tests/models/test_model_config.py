@@ -1,0 +1,107 @@
+"""The project's own config.json reader (models/model_config.py): the values transformers would read
+for every preset, and errors that name the bad field."""
+
+import json
+
+import pytest
+
+from pcg_engine.errors import CheckpointError
+from pcg_engine.models import presets
+from pcg_engine.models.model_config import parse_config, read_config
+
+FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step")
+
+
+def preset_json(name: str) -> dict:
+    return json.loads(json.dumps(presets.config_json(name)))    # exactly what config.json holds
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_reads_what_transformers_reads(name, tmp_path):
+    from transformers import AutoConfig
+
+    raw = preset_json(name)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = read_config(tmp_path)
+    theirs = AutoConfig.from_pretrained(str(tmp_path), local_files_only=True)
+    for field in FIELDS + (MOE_FIELDS if ours.is_moe else ()):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+    assert ours.is_moe == (raw["model_type"] == "qwen3_moe")
+    if ours.is_moe:
+        assert list(ours.mlp_only_layers) == list(theirs.mlp_only_layers)
+    json.loads(ours.to_json_string())                            # the compile cache's key material
+
+
+def test_transformers5_spellings_and_defaults():
+    raw = preset_json("tiny-qwen3-moe")
+    raw["num_local_experts"] = raw.pop("num_experts")
+    del raw["rope_theta"]                                        # only rope_parameters left
+    for optional in ("head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                     "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+        raw.pop(optional, None)
+    cfg = parse_config(raw)
+    assert cfg.num_experts == 8 and cfg.rope_theta == 1_000_000.0
+    assert cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (1e-6, 32768, False)
+    assert (cfg.norm_topk_prob, cfg.decoder_sparse_step, cfg.mlp_only_layers) == (False, 1, ())
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_key_value_heads", "vocab_size", "intermediate_size"])
+def test_missing_field_is_named(field, tmp_path):
+    raw = preset_json("tiny-qwen3")
+    del raw[field]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=f"'{field}' is missing") as info:
+        read_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)
+
+
+def test_missing_moe_field_is_named():
+    raw = preset_json("tiny-qwen3-moe")
+    del raw["moe_intermediate_size"]
+    with pytest.raises(CheckpointError, match="'moe_intermediate_size' is missing"):
+        parse_config(raw)
+    raw = preset_json("tiny-qwen3-moe")      # every layer sparse: no dense width needed
+    del raw["intermediate_size"]
+    assert parse_config(raw).intermediate_size == 0
+    raw["mlp_only_layers"] = [1]
+    with pytest.raises(CheckpointError, match="'intermediate_size' is missing.*layer 1"):
+        parse_config(raw)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", 0, "'hidden_size' is 0; allowed: an int > 0"),
+    ("num_hidden_layers", "4", "'num_hidden_layers' is '4'"),
+    ("num_attention_heads", True, "'num_attention_heads' is True"),
+    ("rms_norm_eps", -1.0, "'rms_norm_eps' is -1.0; allowed: a number > 0"),
+    ("tie_word_embeddings", 1, "'tie_word_embeddings' is 1; allowed: true or false"),
+    ("num_key_value_heads", 3, "num_attention_heads \\(4\\) must be a multiple of num_key_value_heads \\(3\\)"),
+    ("rope_theta", 5.0, "'rope_theta' and 'rope_parameters.rope_theta' disagree"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope_type 'yarn'"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, "'rope_scaling' asks for rope_type 'linear'"),
+    ("use_sliding_window", True, "'use_sliding_window' is true"),
+    ("attention_bias", True, "'attention_bias' is true"),
+    ("model_type", "llama", "'model_type' is 'llama'"),
+    ("architectures", "Qwen3ForCausalLM", "'architectures' is 'Qwen3ForCausalLM'"),
+])
+def test_invalid_field_is_named(field, value, message):
+    raw = preset_json("tiny-qwen3")
+    raw[field] = value
+    with pytest.raises(CheckpointError, match=message):
+        parse_config(raw, "ckpt/config.json")
+
+
+def test_moe_top_k_beyond_experts():
+    raw = preset_json("tiny-qwen3-moe")
+    raw["num_experts_per_tok"] = raw["num_experts"] + 1
+    with pytest.raises(CheckpointError, match="'num_experts_per_tok' is 9; allowed: 1..num_experts"):
+        parse_config(raw)
+
+
+def test_not_an_object():
+    with pytest.raises(CheckpointError, match="expected a JSON object"):
+        parse_config([1, 2])
