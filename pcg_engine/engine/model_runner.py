@@ -164,7 +164,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled, previous_tokens: torch.Tensor | None = None):
-        """Run one step. Returns (logits [S, V] float32 of the sampling rows, StepInputs)."""
+        """Run one step. Returns (logits [S, V] of the sampling rows, model dtype; StepInputs)."""
         pad_t, pad_r, path = self.pick_padding(scheduled)
         inputs = self.batch.prepare(scheduled, pad_tokens_to=pad_t, pad_reqs_to=pad_r,
                                     previous_tokens=previous_tokens)

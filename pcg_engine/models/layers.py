@@ -45,7 +45,27 @@ def silu_and_mul(x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
-class Linear(nn.Linear):
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random init: the loader fills every weight from the checkpoint.
+
+    The init is not just wasted work: the model is built on the meta device, where normal_ goes
+    through torch._refs and imports Dynamo (3.4 s of an eager CPU start-up)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Projection(nn.Linear):
+    """nn.Linear without bias and without its random init (see Embedding): the LM head, the router."""
+
+    def __init__(self, in_features: int, out_features: int, **kwargs):
+        super().__init__(in_features, out_features, bias=False, **kwargs)
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Linear(Projection):
     """A projection without bias whose few-row CUDA calls may take the skinny GEMM kernel.
 
     With kernels on, it calls torch.ops.pcg.linear, which picks kernels/skinny_gemm.py's kernel for
@@ -54,7 +74,7 @@ class Linear(nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, **kwargs):
-        super().__init__(in_features, out_features, bias=False, **kwargs)
+        super().__init__(in_features, out_features, **kwargs)
         self.use_kernels = False
 
     def kernel_applies(self) -> bool:

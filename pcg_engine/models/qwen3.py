@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.rope_kv_write, .attention)
-from pcg_engine.models.layers import Linear, RMSNorm, _kernel_ops, silu_and_mul
+from pcg_engine.models.layers import Embedding, Linear, Projection, RMSNorm, _kernel_ops, silu_and_mul
 from pcg_engine.models.moe import SparseMoE
 
 
@@ -144,7 +144,7 @@ def is_moe_layer(config, layer_idx: int) -> bool:
 class Qwen3Model(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -166,7 +166,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Projection(config.hidden_size, config.vocab_size)
         self.fused = False
         self.kernels = False
 
@@ -178,5 +178,9 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, D] hidden states of the sampling rows -> [N, vocab] float32 logits."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        """[N, D] hidden states of the sampling rows -> [N, vocab] logits in the model's dtype.
+
+        Not upcast here: greedy sampling takes the argmax as given (exact in bf16), and the
+        sampler makes its own float32 copy where it edits or normalises. At 256 rows the upcast
+        was a 114 µs copy of 233 MB a decode step on the H200, 5% of the step."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight)

@@ -289,6 +289,21 @@ def test_logprobs_are_raw_log_softmax(device):
     assert only_sampled.logprobs is not None and only_sampled.top_ids is None
 
 
+def test_bf16_logits_sample_like_their_float32_upcast(device):
+    """The model hands the sampler logits in its own dtype (compute_logits does not upcast): every
+    feature must give what it gives on the exact float32 copy of those logits."""
+    V = 512
+    logits = (torch.randn(len(ALL_FEATURES), V, device=device) * 3).to(torch.bfloat16)
+    outs = []
+    for x in (logits, logits.float()):  # fresh tensors each: seeded rows advance their own streams
+        t = SamplingTensors.from_rows([SamplingRow(p, [1, 2], [3], eos_token_ids=0)
+                                       for p in ALL_FEATURES], V, device)
+        outs.append(Sampler(torch.Generator(device=device).manual_seed(7))(x, t))
+    assert torch.equal(outs[0].token_ids, outs[1].token_ids)
+    torch.testing.assert_close(outs[0].logprobs, outs[1].logprobs)
+    assert torch.equal(outs[0].top_ids, outs[1].top_ids)
+
+
 # -- no host sync, bad input -----------------------------------------------------------------------
 
 ALL_FEATURES = [SP(temperature=0, logprobs=2), SP(seed=4, top_p=0.9, repetition_penalty=1.3),
