@@ -136,9 +136,9 @@ def main(argv=None) -> int:
     unit = "kernels" if on_cuda else "CPU ops"
     common.print_table(f"decode step profile ({results[0]['events']})",
                        ["config", f"{unit}/step", "busy ms/step", "idle ms/step", "idle %",
-                        "idle % from step 2", "gaps/step", "gap median µs", "gap p90 µs", "gap max µs"],
+                        "idle % from step 2", "of it outside graphs %", "gaps/step", "gap median µs", "gap p90 µs", "gap max µs"],
                        [[r["config"], r["kernels_per_step"], r["busy_ms_per_step"], r["idle_ms_per_step"],
-                         100 * r["idle_fraction"], 100 * r["steady_idle_fraction"], r["gaps_per_step"], r["gaps_us"]["median"], r["gaps_us"]["p90"],
+                         100 * r["idle_fraction"], 100 * r["steady_idle_fraction"], 100 * r["steady_idle_outside_graphs_fraction"], r["gaps_per_step"], r["gaps_us"]["median"], r["gaps_us"]["p90"],
                          r["gaps_us"]["max"]] for r in results])
     for r in results:
         # A phase at 0 did not run: e.g. "sample" while the engine takes its greedy argmax fast path.

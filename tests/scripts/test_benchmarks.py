@@ -258,6 +258,24 @@ def test_profile_analysis_idle_overall_and_from_the_second_step():
     assert r["kernels_per_step"] == 1.5 and r["gaps_per_step"] == 0.5   # touching kernels merge
 
 
+
+def test_profile_analysis_splits_steady_idle_inside_and_outside_graph_launches():
+    from pcg_engine.bench import profile_analysis
+    step = dict(ph="X", cat="user_annotation", name="pcg.step", tid=1)
+
+    def k(ts, dur, corr):
+        return dict(ph="X", cat="kernel", name="k", ts=ts, dur=dur, args={"correlation": corr})
+    # Step 2 starts at 10: a graph launch (correlation 7) with a 1 µs gap between its two kernels,
+    # then a 3 µs wait for the next launch (correlation 8), then an eager kernel after 2 µs.
+    trace = {"traceEvents": [
+        {**step, "ts": 0, "dur": 10}, {**step, "ts": 10, "dur": 20},
+        k(2, 8, 1), k(10, 4, 7), k(15, 4, 7), k(22, 3, 8), k(27, 3, 9)]}
+    r = profile_analysis.analyze(trace, on_cuda=True)
+    # From 10 to 30: busy 4 + 4 + 3 + 3 = 14, idle 6, of which 1 inside graph launch 7.
+    assert r["steady_idle_fraction"] == pytest.approx(6 / 20)
+    assert r["steady_idle_in_graphs_fraction"] == pytest.approx(1 / 20)
+    assert r["steady_idle_outside_graphs_fraction"] == pytest.approx(5 / 20)
+
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_host_profile_script_runs(phase, capsys, monkeypatch):
     script = Path(__file__).resolve().parents[2] / "scripts" / "host_profile.py"
