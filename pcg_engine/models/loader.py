@@ -1,6 +1,6 @@
 """Load a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory into the flat model.
 
-The model is built on the meta device, given empty storage on the target device, and filled
+The model is built with uninitialised storage on the target device, in its final dtype, and filled
 tensor by tensor from the safetensors shards (opened on the target device), so a large model is
 never copied whole through host memory. Loading never executes checkpoint code: config.json is read
 by the project's own validating reader (models/model_config.py; transformers is not imported on the
@@ -8,6 +8,7 @@ start-up path) and pickled `.bin` weights are refused.
 Every failure names the file and the tensor or field; a failed load leaves no model behind.
 """
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -102,6 +103,16 @@ class _Targets:
         return sorted(set(self.expected) - self.filled)
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 @torch.no_grad()
 def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool | None = None):
     """Checkpoint directory -> ready flat model on `device` (fused unless fuse=False)."""
@@ -111,9 +122,11 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = load_config(path)
     files = weight_files(path)
-    with torch.device("meta"):
+    # Built in place: uninitialised storage of the final dtype on the target device (the modules
+    # skip their random init; layers.Embedding). Not on the meta device + to_empty: meta tensors'
+    # empty_like runs through torch._refs, which imports sympy (1 s of a CPU start-up).
+    with torch.device(device), _default_dtype(dtype):
         model = Qwen3ForCausalLM(config)
-    model = model.to(dtype).to_empty(device=device)
     targets = _Targets(model)
     for file in files:
         try:
