@@ -48,8 +48,8 @@ def silu_and_mul(x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
 class Embedding(nn.Embedding):
     """nn.Embedding without its random init: the loader fills every weight from the checkpoint.
 
-    The init is not just wasted work: the model is built on the meta device, where normal_ goes
-    through torch._refs and imports Dynamo (3.4 s of an eager CPU start-up)."""
+    The init was not just wasted work: 155M normal_ draws for Qwen3's table, and on the meta device
+    normal_ goes through torch._refs and imports Dynamo (3.4 s of an eager CPU start-up)."""
 
     def reset_parameters(self) -> None:
         pass
