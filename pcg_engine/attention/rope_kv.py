@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pcg_engine.kernels import pdl
+from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def _head_rms_norm(x1, x2, w_ptr, d, eps, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
@@ -41,8 +44,11 @@ def _rope_kv_kernel(
     max_pos, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # kernels/pdl.py: every input but the weights comes from earlier kernels of the step
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
@@ -127,6 +133,6 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HQ_PAD=triton.next_power_of_2(num_heads), HK_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], NORM=q_norm is not None,
-        num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        num_warps=4 if num_heads * head_dim >= 2048 else 1, **pdl.launch_kwargs(q.device),
     )
     return q_out

@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pcg_engine.kernels import pdl
 from pcg_engine.kernels.activation import silu_and_mul
+from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 from pcg_engine.kernels.norm import add_rms_norm
 
 MAX_M = 16   # more rows than this and the projection is no longer weight-bound enough to matter
@@ -40,7 +42,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
                         stride_xm, stride_wn, stride_ym, stride_rm, stride_rom, eps,
                         GATED: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr,
                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ONE_K: tl.constexpr, PDL: tl.constexpr):
     # GATED: x rows are [gate | up] (2K wide) and the GEMM's input is silu(gate) * up, computed
     # on the fly and rounded to x's dtype exactly as kernels/activation.py's kernel stores it, so
     # the fused MLP tail equals SiLU-and-mul followed by this GEMM bit for bit.
@@ -53,6 +56,14 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     dtype = x_ptr.dtype.element_ty
+    # Wrapping the weight rows keeps every weight load in bounds without a mask; the store masks.
+    wn = (rn % N).to(tl.int64)
+    w_ptrs = w_ptr + wn[:, None] * stride_wn + rk[None, :]
+    if PDL:  # kernels/pdl.py: weights before the wait (no kernel writes them), all else after
+        if ONE_K:  # the program's whole weight slice, streamed while the previous kernel ends
+            w_first = tl.load(w_ptrs)
+        gdc_wait()
+        gdc_launch_dependents()
     if NORM:
         sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, tl.cdiv(K, BLOCK_K)):
@@ -66,15 +77,15 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
             xs = xs.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(sq / K + eps)[:, None]
-    # Wrapping the weight rows keeps every weight load in bounds without a mask; the store masks.
-    wn = (rn % N).to(tl.int64)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + wn[:, None] * stride_wn + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x_ok = m_ok[:, None]
-            w = tl.load(w_ptrs)
+            if PDL and ONE_K:
+                w = w_first
+            else:
+                w = tl.load(w_ptrs)
         else:
             k_ok = rk < K - k0 * BLOCK_K
             x_ok = m_ok[:, None] & k_ok[None, :]
@@ -201,8 +212,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: b
         GATED=gated, NORM=norm is not None, USE_DOT=config.use_dot, EVEN_K=K % block_k == 0,
         # fp32 stays exact (tf32 would lose 13 mantissa bits); bf16/fp16 dots ignore the setting.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, ONE_K=K == block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
     return y
 
 

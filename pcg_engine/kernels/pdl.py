@@ -1,0 +1,52 @@
+"""Programmatic dependent launch (PDL): let a decode kernel start while the one before it finishes.
+
+A batch-1 decode step is ~190 small kernels back to back, and each boundary costs the GPU time:
+the next grid is scheduled only when the last block of the previous one has exited, and then its
+first loads still have to travel to DRAM and back. With PDL (sm_90+), a kernel launched with the
+programmatic-serialisation attribute may start as soon as every block of the previous kernel has
+signalled `gdc_launch_dependents` (or exited). Correctness then rests on one rule, kept by every
+kernel that opts in:
+
+    nothing that depends on an earlier kernel is read, and nothing at all is written,
+    before `gdc_wait()`, which returns when the previous grid has completed and its writes are
+    visible.
+
+What may come before the wait is what no kernel of the step writes: the weights. The skinny GEMM
+loads its weight tile there, so a projection's weight stream overlaps the kernel before it; the
+other kernels wait first thing and gain only the launch. The wait is executed by every program
+before any early exit, so a kernel never completes before its predecessor has, and the ordering is
+transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
+
+Off in Triton's CPU interpreter (the instructions are inline PTX), below sm_90, and with
+PCG_PDL=0 (an A/B switch for benchmarks, read at import). Kernels take a PDL constexpr and their
+launchers pass `**launch_kwargs(device)`, so both halves always agree.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+__all__ = ["enabled", "launch_kwargs", "gdc_wait", "gdc_launch_dependents"]
+
+_WANTED = os.environ.get("PCG_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched on `device` use PDL."""
+    if not _WANTED or device.type != "cuda":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """Extra keyword arguments of a Triton launch: the PDL constexpr and the launch attribute."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
