@@ -12,10 +12,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pcg_engine.kernels import pdl
+from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, n_rows, width, stride_x, stride_o,
-                         BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: the input comes from the kernel before
+        gdc_wait()
+        gdc_launch_dependents()
     # A [BLOCK_R, BLOCK] tile: row blocks on grid axis 0 (which allows 2^31 programs), column
     # blocks on axis 1. Several rows a program keep enough bytes in flight when I is small.
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -56,7 +62,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n > 0:
         block_r, block, num_warps = _launch_config(n, width)
         _silu_and_mul_kernel[(triton.cdiv(n, block_r), triton.cdiv(width, block))](
-            x2, out, n, width, x2.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK=block, num_warps=num_warps)
+            x2, out, n, width, x2.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK=block, num_warps=num_warps,
+            **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], width)
 
 

@@ -21,11 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pcg_engine.kernels import pdl
+from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D,
                      stride_x, stride_r, stride_o, stride_ro, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: x and the residual come from the kernels before
+        gdc_wait()
+        gdc_launch_dependents()
     # A [BLOCK_R, BLOCK_D] tile: one row per program for wide D, several for head_dim-sized D,
     # so a small D still gives each program enough bytes in flight.
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -90,7 +97,8 @@ def _launch(x, residual, weight, eps):
         _rms_norm_kernel[(triton.cdiv(n, block_r),)](
             x2, r2, weight.contiguous(), out, res_out, n, d,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
+            **pdl.launch_kwargs(x.device))
     return out.view(x.shape), res_out.view(x.shape)
 
 
