@@ -1,8 +1,8 @@
 """Load a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory into the flat model.
 
 The model is built with uninitialised storage on the target device, in its final dtype, and filled
-tensor by tensor from the safetensors shards (opened on the target device), so a large model is
-never copied whole through host memory. Loading never executes checkpoint code: config.json is read
+from the safetensors shards streamed through two chunk buffers (models/safetensors_reader.py), so a
+large model is never copied whole through host memory. Loading never executes checkpoint code: config.json is read
 by the project's own validating reader (models/model_config.py; transformers is not imported on the
 start-up path) and pickled `.bin` weights are refused.
 Every failure names the file and the tensor or field; a failed load leaves no model behind.
@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.fuse import fuse as fuse_model
 from pcg_engine.models.model_config import ModelConfig, read_config
 from pcg_engine.models.qwen3 import Qwen3ForCausalLM
+from pcg_engine.models.safetensors_reader import read_header, read_into
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
@@ -129,29 +129,26 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
         model = Qwen3ForCausalLM(config)
     targets = _Targets(model)
     for file in files:
+        plan = []
+        for entry in read_header(file):
+            try:
+                resolved = targets.resolve(entry.name)
+            except KeyError:
+                raise CheckpointError(f"{file}: unexpected tensor {entry.name!r} (not part of "
+                                      f"{type(model).__name__} for this config)") from None
+            if resolved is None:
+                continue
+            name, dest = resolved
+            if entry.shape != tuple(dest.shape):
+                raise CheckpointError(f"{file}: tensor {entry.name!r} has shape {entry.shape}, "
+                                      f"config.json implies {tuple(dest.shape)}")
+            plan.append((entry, dest, name))
         try:
-            handle = safe_open(str(file), framework="pt", device=str(device))
-        except Exception as e:
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
-        with handle:
-            for key in handle.keys():
-                try:
-                    resolved = targets.resolve(key)
-                except KeyError:
-                    raise CheckpointError(f"{file}: unexpected tensor {key!r} (not part of "
-                                          f"{type(model).__name__} for this config)") from None
-                if resolved is None:
-                    continue
-                name, dest = resolved
-                try:
-                    tensor = handle.get_tensor(key)
-                except Exception as e:
-                    raise CheckpointError(f"{file}: tensor {key!r} unreadable ({e})") from None
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                          f"config.json implies {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                targets.mark(name)
+            read_into(file, [(entry, dest) for entry, dest, _ in plan], device)
+        except OSError as e:
+            raise CheckpointError(f"{file}: unreadable ({e})") from None
+        for _, _, name in plan:
+            targets.mark(name)
     missing = targets.missing()
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
