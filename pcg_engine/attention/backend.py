@@ -1,5 +1,7 @@
 """What an attention backend must do, including what it takes to live inside a CUDA graph."""
 
+from contextlib import contextmanager
+
 import torch
 
 from pcg_engine.attention.metadata import AttentionMetadata
@@ -41,9 +43,17 @@ class AttentionBackend:
         out [T, Hq, D], in place."""
         raise NotImplementedError
 
-    def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True):
+    @contextmanager
+    def capturing(self):
+        """Around the capture of CUDA graphs that hold forward() (and the eager stand-in for their
+        replays): launch choices from the bucket's host values only. A no-op where forward() has
+        no per-step choice."""
+        yield self
+
+    def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True, graphed: bool | None = None):
         """What forward() compiles for a step with meta's host values (equal values: nothing new to
-        compile); None for a backend that compiles nothing. split_kv=False: a graph-captured step."""
+        compile); None for a backend that compiles nothing. split_kv=False: without split-KV;
+        graphed=True: a step inside a full CUDA graph (None: whatever forward() would do now)."""
         return None
 
 

@@ -1,7 +1,8 @@
 """Host-side launch choices of the Triton attention kernels (triton_attention.py): tiles, split-KV.
 
 Everything here is plain Python over host values that are fixed for a bucket (shapes, T, num_reqs,
-max_query_len) or, for the split count of an eager step, the step's max_seq_len. The kernels and
+max_query_len) or, for the split count of an eager step, the step's max_seq_len; a launch that a
+CUDA graph holds takes its split count from `graph_num_splits` (bucket values only). The kernels and
 their launcher stay in triton_attention.py; `kernel_variant` is the single place that turns these
 values into the tuple of choices that selects compiled binaries, so the launcher and the start-up
 warm-up (engine/warmup.py) cannot disagree.
@@ -40,6 +41,10 @@ class DecodeTuning(NamedTuple):
 DECODE_TUNING = DecodeTuning()
 SPLIT_DECODE_TUNING = DecodeTuning()
 SPLIT_PROGRAMS_PER_SM = 4  # choose_num_splits' target (B1 x 8192, Hk 8: 4 -> 64 splits, 2 -> 33)
+# Split decode inside a CUDA graph: the merge fused into the main kernel, so a split costs the
+# graph no second kernel node per layer (the merging program's partials are still in L2).
+GRAPH_SPLIT_DECODE_TUNING = DecodeTuning(fused_merge=True)
+MAX_GRAPH_SPLITS = 16  # the fused merge's tail grows with the split count (see graph_num_splits)
 
 
 def _tile_config(head_dim: int, group: int, max_query_len: int, tuning: DecodeTuning):
@@ -86,6 +91,22 @@ def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_hea
     # keys (Hq 16, Hk 8): 8 / 16 / 32 / 64 splits ran 37.7 / 25.1 / 20.7 / 17.1 µs.
     splits = min(host_cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(busy, 1)), tiles // 2, MAX_SPLITS)
     return max(1, splits)
+
+
+def graph_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device) -> int:
+    """Split count of a decode launch that a CUDA graph holds: one program per (request, kv head,
+    split), about one wave on the GPU. A function of the bucket's host values (num_reqs, which the
+    full decode graphs pad to the bucket, and max_query_len) and of the model and GPU only, never of
+    the step's seq_lens, so a replay launches the captured grid whatever the contexts are; the
+    kernel cuts each request's own tiles into these shares on the device (empty shares write
+    nothing, seq_len 0 gives zeros). Batch 1 with 8 kv heads on 132 SMs: 16 splits, so a 384-token
+    context runs as 6 one-tile programs a head instead of one program walking 6 tiles; batch 16: 1.
+    Capped at MAX_GRAPH_SPLITS: the fused merge's last program reads every used split serially
+    (H200, B1 x 8192, GQA 2: fused 16 splits 25.9 us, as fast as the two-kernel merge; fused 64
+    27.2 us against 17.1), and contexts of a few hundred keys have fewer tiles than that anyway."""
+    if max_query_len > 1:  # prefill q-blocks fill the GPU by themselves
+        return 1
+    return max(1, min(_num_sms(device) // max(num_reqs * num_kv_heads, 1), MAX_GRAPH_SPLITS, MAX_SPLITS))
 
 
 class KernelVariant(NamedTuple):

@@ -21,8 +21,8 @@ fused_merge, by the last program of each (q-block, kv head) to finish: an atomic
 in a persistent per-device int32 buffer (_split_counters) that this program resets to 0, which
 saves a launch and its tail; blocks with no key at all (padding) then skip partials and counter.
 The kernels are graph-safe for any fixed num_splits; the caller chooses num_splits from host
-values (choose_num_splits), which is why the backend only splits when it is told it is not
-capturing.
+values: choose_num_splits (the step's max_seq_len) for eager launches, graph_num_splits (the
+bucket only, fused merge) for launches a CUDA graph holds (the backend's capturing()).
 
 Decode launch choices (tile size, warps, pipeline stages, fused merge) are a DecodeTuning: one
 module default for steps without split-KV, one for steps with it; scripts/bench_kernels.py sweeps
@@ -50,8 +50,9 @@ import triton.language as tl
 
 # The launch's host-side choices live in launch_config.py; re-exported here, where callers look.
 from pcg_engine.attention.launch_config import (  # noqa: F401
-    DECODE_TUNING, MAX_SPLITS, SPLIT_DECODE_TUNING, SPLIT_PROGRAMS_PER_SM, DecodeTuning, KernelVariant,
-    _clamp_splits, choose_num_splits, host_cdiv, host_next_pow2, kernel_variant)
+    DECODE_TUNING, GRAPH_SPLIT_DECODE_TUNING, MAX_GRAPH_SPLITS, MAX_SPLITS, SPLIT_DECODE_TUNING,
+    SPLIT_PROGRAMS_PER_SM, DecodeTuning, KernelVariant, _clamp_splits, choose_num_splits, graph_num_splits,
+    host_cdiv, host_next_pow2, kernel_variant)
 
 SEARCH_BLOCK = 128  # requests per vector load when a program looks up its request
 # Triton's CPU interpreter computes bf16 tl.dot on the raw bits (garbage); there, and only there,

@@ -3,10 +3,13 @@
 Graph safety: both launches take their grids from T, num_reqs, max_query_len and tensor shapes
 (bucket values) and read seq_lens / query_start_loc / block_table only on the device, so a
 forward can be captured in a full CUDA graph and replayed with new contents of the same buffers.
-The one exception is split-KV, whose split count uses max_seq_len (a per-step host value): the
-graph runner sets `allow_split_kv = False` around capture (or uses `capturing()`), and eager
-steps with small batches and long contexts get it back. The count is stored in the step's metadata
-by its first attention call while splitting is allowed.
+Split-KV has two policies. An eager step's count (`choose_num_splits`) uses max_seq_len, a
+per-step host value, and splits only long contexts (its merge is a second launch). Inside
+`capturing()` (the full decode graphs' capture, and their eager stand-in) the count is
+`graph_num_splits`, from the bucket's request count, the head counts and the SM count only, with
+the merge fused into the kernel (GRAPH_SPLIT_DECODE_TUNING): a replay launches the captured grid
+for any contexts, and small decode batches split from the first token on. The eager count is
+stored in the step's metadata by its first attention call.
 
 In piecewise mode the RoPE + KV write runs inside the pieces' graphs (attention/op.py); only
 forward() runs between pieces, once per layer.
@@ -17,7 +20,8 @@ from contextlib import contextmanager
 import torch
 
 from pcg_engine.attention.backend import AttentionBackend
-from pcg_engine.attention.launch_config import choose_num_splits, kernel_variant
+from pcg_engine.attention.launch_config import (GRAPH_SPLIT_DECODE_TUNING, choose_num_splits, graph_num_splits,
+                                                 kernel_variant)
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.attention.rope_kv import rope_and_write_kv
 from pcg_engine.attention.triton_attention import unified_attention
@@ -25,32 +29,43 @@ from pcg_engine.attention.triton_attention import unified_attention
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    cuda_graph_safe = True  # provided allow_split_kv is False while capturing
+    cuda_graph_safe = True  # inside capturing(): split counts from bucket values only
     jit_compiled = True
 
     def __init__(self, *args, allow_split_kv: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.allow_split_kv = allow_split_kv
+        self.allow_split_kv = allow_split_kv  # False: never split (either policy)
+        self.graphed = False                  # inside capturing()
 
     @contextmanager
     def capturing(self):
-        """Turns split-KV off for the duration of a CUDA-graph capture."""
-        previous, self.allow_split_kv = self.allow_split_kv, False
+        """Around a CUDA-graph capture of forwards (and whatever stands in for its replays): split
+        counts from the bucket's host values (graph_num_splits), never from max_seq_len."""
+        previous, self.graphed = self.graphed, True
         try:
             yield self
         finally:
-            self.allow_split_kv = previous
+            self.graphed = previous
 
-    def num_splits(self, meta: AttentionMetadata) -> int:
+    def split_launch(self, meta: AttentionMetadata, graphed: bool | None = None):
+        """(num_splits, tuning) of a step: tuning None is the module defaults (launch_config)."""
+        graphed = self.graphed if graphed is None else graphed
         if not self.allow_split_kv:
-            return 1
+            return 1, None
+        if graphed:
+            splits = graph_num_splits(meta.num_reqs, self.num_kv_heads, meta.max_query_len, self.cos_sin.device)
+            return splits, GRAPH_SPLIT_DECODE_TUNING if splits > 1 else None
         return choose_num_splits(meta.num_tokens, meta.num_reqs, self.num_heads, self.num_kv_heads,
-                                 self.head_dim, meta.max_query_len, meta.max_seq_len, self.cos_sin.device)
+                                 self.head_dim, meta.max_query_len, meta.max_seq_len, self.cos_sin.device), None
 
-    def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True):
+    def num_splits(self, meta: AttentionMetadata, graphed: bool | None = None) -> int:
+        return self.split_launch(meta, graphed)[0]
+
+    def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True, graphed: bool | None = None):
         # The fused RoPE + KV write has one variant per model (T sets only its grid).
-        splits = self.num_splits(meta) if split_kv else 1
-        return kernel_variant(self.num_heads, self.num_kv_heads, self.head_dim, meta.max_query_len, splits)
+        splits, tuning = self.split_launch(meta, graphed) if split_kv else (1, None)
+        return kernel_variant(self.num_heads, self.num_kv_heads, self.head_dim, meta.max_query_len, splits,
+                              tuning)
 
     def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping, q_norm=None, k_norm=None,
                           eps: float = 1e-6) -> torch.Tensor:
@@ -62,14 +77,14 @@ class TritonAttentionBackend(AttentionBackend):
                                  k_norm=k_norm, eps=eps)
 
     def forward(self, q, out, kv_cache, meta: AttentionMetadata) -> None:
-        # The eager part of a piecewise step, once per layer: keep the Python short. The split
-        # count depends only on the step's host values, so the first layer computes it for all
-        # (cached only while splitting is allowed: a capture never reads a cached count).
-        if self.allow_split_kv:
-            splits = meta.num_splits
-            if splits is None:
-                splits = meta.num_splits = self.num_splits(meta)
+        # The eager part of a piecewise step, once per layer: keep the Python short. The eager
+        # split count depends only on the step's host values, so the first layer computes it for
+        # all (a capture never reads or fills that cache: its count is the bucket's).
+        if self.graphed:
+            splits, tuning = self.split_launch(meta)
         else:
-            splits = 1
+            splits, tuning = meta.num_splits, None
+            if splits is None:
+                splits = meta.num_splits = self.split_launch(meta)[0]
         unified_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                          meta.num_reqs, meta.max_query_len, self.scale, splits)
+                          meta.num_reqs, meta.max_query_len, self.scale, splits, tuning=tuning)

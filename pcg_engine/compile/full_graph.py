@@ -6,14 +6,15 @@ they write only the scratch block and attend to nothing) and calls `run`, which 
 captured for b. Attention is inside the graph, so the backend must be graph-safe, and the metadata
 the graph was captured with carries the bucket's host values (num_reqs = num_tokens = b,
 max_query_len = 1, max_seq_len = max_model_len) over views of the runner's static buffers: the
-replay launches exactly the captured grid, reading whatever the buffers hold this step. The
-Triton backend's split-KV path picks its grid from host values, so it is off while capturing.
+replay launches exactly the captured grid, reading whatever the buffers hold this step. Capture and
+the eager stand-in run inside `backend.capturing()`: the Triton backend then takes its split-KV
+count from the bucket (launch_config.graph_num_splits: batch 1 splits each head's keys 16 ways on
+an H200), never from a step's max_seq_len.
 
 By default the captured forward is the eager model (its kernels are the fused ones on CUDA);
 `forward=` may pass another one (e.g. a compiled forward inside `GraphPool.no_graphs()`).
 """
 
-import contextlib
 import time
 
 import torch
@@ -29,20 +30,6 @@ def default_decode_buckets(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
-
-
-@contextlib.contextmanager
-def no_split_kv(backend):
-    """Split-KV sizes its grid from the step's max_seq_len; a graph must not depend on that."""
-    if not hasattr(backend, "allow_split_kv"):
-        yield
-        return
-    previous = backend.allow_split_kv
-    backend.allow_split_kv = False
-    try:
-        yield
-    finally:
-        backend.allow_split_kv = previous
 
 
 class FullDecodeGraphs:
@@ -100,7 +87,7 @@ class FullDecodeGraphs:
             return 0.0
         t0 = time.perf_counter()
         task = progress.add_task("full decode graphs", total=len(self.buckets)) if progress is not None else None
-        with no_split_kv(self.runner.backend):
+        with self.runner.backend.capturing():
             for bucket in sorted(self.buckets, reverse=True):
                 self._dummy_batch(bucket)
                 graph, out = capture(self.pool, self._forward, bucket, warmups=self.warmups)
@@ -126,5 +113,5 @@ class FullDecodeGraphs:
             self.replays += 1
             return self.outputs[bucket]
         # No graph (CPU, or capture skipped): the same computation on the same buffers, eagerly.
-        with no_split_kv(self.runner.backend):
+        with self.runner.backend.capturing():
             return self._forward(bucket)

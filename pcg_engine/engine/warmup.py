@@ -12,8 +12,9 @@ has one variant per model: T sets only its grid.)
 
 What runs: dummy steps through the runner's own path (`pick_padding`: full decode graph,
 piecewise, compiled or eager) and the real attention backend, one step per new pair of
-  * attention variant: `backend.kernel_variant(meta, split_kv)`, the tuple the Triton backend
-    launches from (launch_config.kernel_variant), so the enumeration cannot drift from it;
+  * attention variant: `backend.kernel_variant(meta, graphed=...)`, the tuple the Triton backend
+    launches from (launch_config.kernel_variant), so the enumeration cannot drift from it; a step
+    on the full-graph path gets the graphs' split policy (the bucket's split count, fused merge);
   * token variant: `token_variant(sites, T)`, what the fused kernels of kernels/ choose from the
     row counts the model gives them (their own launch-config functions, plus Triton's class of
     each size argument).
@@ -157,11 +158,11 @@ def step_key(runner, sites: tuple, step: WarmupStep, cache: dict | None = None) 
     else:
         akey = (step.path, step.num_tokens, step.num_reqs, step.max_query_len, step.max_seq_len)
     if akey not in cache:
-        if step.path == "full":
-            meta, split = runner.full_graphs.metadata(step.num_reqs), False
+        if step.path == "full":  # the bucket's metadata, and the graphs' split policy
+            meta, graphed = runner.full_graphs.metadata(step.num_reqs), True
         else:
-            meta, split = _host_metadata(step), True
-        cache[akey] = runner.backend.kernel_variant(meta, split_kv=split)
+            meta, graphed = _host_metadata(step), False
+        cache[akey] = runner.backend.kernel_variant(meta, graphed=graphed)
     tkey = ("tokens", step.num_tokens)
     if tkey not in cache:
         cache[tkey] = token_variant(sites, step.num_tokens)
