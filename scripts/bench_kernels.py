@@ -1,6 +1,6 @@
 """Micro-benchmark of the fused kernels on a CUDA GPU: one table, optionally a JSON file.
 
-    python scripts/bench_kernels.py [--json PATH] [--only attention] [--attention-sweep none|quick|full]
+    python scripts/bench_kernels.py [--json PATH] [--only attention,graph_split] [--attention-sweep none|quick|full]
 
 Memory-bound kernels (add+RMSNorm, SiLU-and-mul) are measured against the copy ceiling, the fused
 MoE against the time to read its active experts' weights once at that ceiling (its floor for
@@ -8,6 +8,8 @@ small batches) and against the per-expert PyTorch loop it replaces. Times are GP
 CUDA-graph replays with the L2 flushed before every call (see time_us): what a graphed step sees.
 Attention rotates input sets instead (AttentionShape: no call finds its KV in L2) and ends with
 a sweep of decode launch variants (sweep_rows), each row checked against the torch reference.
+`graph_split` times batch-1 decode attention as the full decode graphs launch it, 1 split against
+the bucket's split count (graph_split_rows).
 """
 
 import argparse
@@ -298,6 +300,61 @@ def sweep_rows(shapes, full=False):
     return rows
 
 
+GRAPH_SPLIT_CONTEXTS = (128, 384, 1024, 8192)   # batch 1; batch 4 at the middle two
+
+
+def graph_split_rows():
+    """Decode attention at batch 1 as the full decode graphs launch it: 1 split (before) against
+    the graph-bucket choice (launch_config.graph_num_splits, merge fused into the kernel), and that
+    split count with the two-kernel merge and with 32-key tiles, at P1's contexts (128-384) and
+    beyond; Qwen3-0.6B (Hq 16) and 8B (Hq 32), Hk 8. Times are CUDA-graph replays with the L2
+    flushed before each call (time_us: in the model, a layer's KV is long evicted by the weights
+    of the 27 layers between two reads of it); the note adds back-to-back calls on rotating input
+    sets (L2-warm at short contexts). Every row is checked against the torch reference. Ends with
+    a batch-4 check of its own bucket's count, and P1's predicted saving a step."""
+    from pcg_engine.attention.launch_config import GRAPH_SPLIT_DECODE_TUNING, graph_num_splits
+    rows, cuda, saving = [], torch.device("cuda"), {}
+
+    def measure(shape, label, splits, tuning, base_us=None):
+        us = time_us(lambda: shape.call(0, splits, tuning), reps=20)
+        warm = shape.time_us(splits, tuning)
+        err = shape.error(splits, tuning)
+        note = f"splits={splits}; back-to-back {warm:.1f} us"
+        if base_us is not None:
+            note += f"; {base_us / us:.2f}x vs 1 split"
+        if err > 2e-2:
+            note = f"WRONG (rel. error {err:.1e}) {note}"
+        nbytes = shape.kv_bytes + 2 * shape.batch * shape.Hq * ATTN_D * 2
+        rows.append(row(f"graph decode {label}", f"B{shape.batch} ctx{shape.ctx} Hq{shape.Hq} Hk{shape.Hk} "
+                        f"D{ATTN_D}", us, nbytes, "GB/s", note))
+        return us
+
+    for Hq, Hk in ((16, 8), (32, 8)):
+        n = graph_num_splits(1, Hk, 1, cuda)
+        variants = (("fused (graph choice)", GRAPH_SPLIT_DECODE_TUNING),
+                    ("merge kernel", GRAPH_SPLIT_DECODE_TUNING._replace(fused_merge=False)),
+                    ("fused n32", GRAPH_SPLIT_DECODE_TUNING._replace(tile_n=32)))
+        for ctx in GRAPH_SPLIT_CONTEXTS:
+            shape = AttentionShape(1, ctx, 1, Hq, Hk)
+            base = measure(shape, "1 split (before)", 1, None)
+            for label, tuning in variants:
+                us = measure(shape, f"{n} splits {label}", n, tuning, base)
+                if label.startswith("fused (") and ctx <= 384:
+                    saving.setdefault(Hq, []).append(base - us)
+            del shape
+    n4 = graph_num_splits(4, 8, 1, cuda)
+    for ctx in GRAPH_SPLIT_CONTEXTS[1:3]:
+        shape = AttentionShape(4, ctx, 1, 16, 8)
+        base = measure(shape, "1 split (before)", 1, None)
+        measure(shape, f"{n4} splits fused (graph choice)", n4, GRAPH_SPLIT_DECODE_TUNING, base)
+        del shape
+    for Hq, model, layers in ((16, "0.6B", 28), (32, "8B", 36)):
+        per_layer = sum(saving[Hq]) / max(len(saving[Hq]), 1)
+        print(f"graph split, Qwen3-{model}: {per_layer:.1f} us a layer saved at 128-384 keys, "
+              f"~{layers * per_layer:.0f} us a batch-1 decode step ({layers} layers)")
+    return rows
+
+
 def print_table(rows, title):
     from rich.console import Console
     from rich.table import Table
@@ -318,7 +375,7 @@ def print_table(rows, title):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write every row and the versions here")
-    parser.add_argument("--only", metavar="SECTIONS", default="norm,activation,moe,attention",
+    parser.add_argument("--only", metavar="SECTIONS", default="norm,activation,moe,attention,graph_split",
                         help="comma-separated sections to run (default: all)")
     parser.add_argument("--attention-sweep", choices=("none", "quick", "full"), default="quick",
                         help="decode launch variants (attention section): quick ~1 min, full every "
@@ -330,7 +387,7 @@ def main(argv=None):
     import triton
     gpu = torch.cuda.get_device_name()
     sections = dict(norm=norm_rows, activation=activation_rows, moe=moe_rows,
-                    attention=lambda: attention_rows(args.attention_sweep))
+                    attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows)
     rows = []
     for name in args.only.split(","):
         rows += sections[name.strip()]()
