@@ -20,7 +20,11 @@ class LLM:
     def __init__(self, model: str | None = None, progress=None, **config):
         self.config = EngineConfig.from_kwargs(model=None if model is None else str(model), **config)
         self.engine = LLMEngine(self.config, progress=progress)
-        self.tokenizer = self.engine.tokenizer
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's (transformers) tokenizer, loaded on first use."""
+        return self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

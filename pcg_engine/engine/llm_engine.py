@@ -30,7 +30,7 @@ from pcg_engine.engine.readback import TokenReadback
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
 from pcg_engine.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors, make_generator
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
-from pcg_engine.engine.tokenizer import eos_token_ids, load_tokenizer
+from pcg_engine.engine.tokenizer import LazyTokenizer, eos_token_ids
 from pcg_engine.errors import InvalidRequestError
 from pcg_engine.outputs import DecodeOutput, RequestOutput
 from pcg_engine.sampling_params import SamplingParams
@@ -71,8 +71,10 @@ class LLMEngine:
         else:
             self.model_path = Path(config.model)
         self.runner = ModelRunner(config, self.model_path, self.device, progress)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        # Loaded on first use (engine/tokenizer.py): importing transformers is seconds of start-up,
+        # and token-id prompts without detokenizing never need it.
+        self.lazy_tokenizer = LazyTokenizer(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.lazy_tokenizer)
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -96,6 +98,10 @@ class LLMEngine:
         # logprobs). While none is in the batch, sampling is one argmax kernel: at batch 256 the
         # full sampler's per-step gathers would cost more host time than the decode step.
         self._full_sampler_rows: set[int] = set()
+
+    @property
+    def tokenizer(self):
+        return self.lazy_tokenizer.get()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | dict | None = None,

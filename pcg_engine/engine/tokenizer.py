@@ -1,4 +1,12 @@
-"""Tokenizer and end-of-sequence ids from a checkpoint directory, offline, never running its code."""
+"""Tokenizer and end-of-sequence ids from a checkpoint directory, offline, never running its code.
+
+The tokenizer is transformers' and importing transformers costs seconds, so the engine loads it
+lazily, on the first prompt text to encode or output to decode (`LazyTokenizer`). The EOS ids
+a request stops on are needed before that: they come from generation_config.json and from the
+tokenizer's own files (tokenizer_config.json / special_tokens_map.json name the EOS token,
+tokenizer_config.json or tokenizer.json give its id). Only when those files leave it open (no EOS
+named, a name they do not resolve, two files that disagree) is the tokenizer loaded to ask it.
+"""
 
 import json
 from pathlib import Path
@@ -9,8 +17,75 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 
 
-def eos_token_ids(path: Path, tokenizer) -> set[int]:
-    """EOS ids from generation_config.json (int or list) and the tokenizer."""
+class LazyTokenizer:
+    """Loads the checkpoint's tokenizer on first use; `loaded` says whether that has happened."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._tokenizer = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._tokenizer is not None
+
+    def get(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+
+_UNKNOWN = object()
+
+
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text()) if file.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _token_text(value):
+    """A special token as tokenizer files write it: a string, or an AddedToken dict with content."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else _UNKNOWN
+
+
+def tokenizer_eos_id(path: Path):
+    """The tokenizer's eos_token_id read from its files: an int, None (no EOS token), or _UNKNOWN."""
+    path = Path(path)
+    config = _read_json(path / "tokenizer_config.json")
+    special = _read_json(path / "special_tokens_map.json")
+    named = [d["eos_token"] for d in (config, special) if isinstance(d, dict) and "eos_token" in d]
+    if not named:
+        return _UNKNOWN                   # the tokenizer class may have a default: ask it
+    texts = {None if v is None else _token_text(v) for v in named}
+    if len(texts) != 1 or _UNKNOWN in texts:
+        return _UNKNOWN
+    text = texts.pop()
+    if text is None:
+        return None
+    decoder = (config or {}).get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        ids = [int(i) for i, tok in decoder.items() if isinstance(tok, dict) and tok.get("content") == text
+               and str(i).isdigit()]
+        if len(ids) == 1:
+            return ids[0]
+    tok = _read_json(path / "tokenizer.json")
+    if not isinstance(tok, dict):
+        return _UNKNOWN
+    added = [t.get("id") for t in tok.get("added_tokens") or [] if isinstance(t, dict) and t.get("content") == text]
+    if len(added) == 1 and isinstance(added[0], int):
+        return added[0]
+    vocab = (tok.get("model") or {}).get("vocab")
+    if not added and isinstance(vocab, dict) and isinstance(vocab.get(text), int):
+        return vocab[text]
+    return _UNKNOWN
+
+
+def eos_token_ids(path: Path, tokenizer=None) -> set[int]:
+    """EOS ids from generation_config.json (int or list) and the tokenizer. `tokenizer` may be a
+    loaded tokenizer, a LazyTokenizer (loaded only if its files do not give the id) or None."""
     ids: set[int] = set()
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
@@ -19,6 +94,10 @@ def eos_token_ids(path: Path, tokenizer) -> set[int]:
             ids.add(value)
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
+    eos = tokenizer_eos_id(path) if isinstance(tokenizer, LazyTokenizer) and not tokenizer.loaded else _UNKNOWN
+    if eos is _UNKNOWN:
+        loaded = tokenizer.get() if isinstance(tokenizer, LazyTokenizer) else tokenizer
+        eos = getattr(loaded, "eos_token_id", None)
+    if eos is not None:
+        ids.add(eos)
     return ids

@@ -1,0 +1,81 @@
+"""The tokenizer is loaded lazily (engine/tokenizer.py): an engine starts without transformers, EOS
+ids come from the tokenizer's files and equal what the loaded tokenizer says, and the first text to
+encode or decode loads it."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from engine_helpers import make_llm
+from pcg_engine.engine.tokenizer import _UNKNOWN, eos_token_ids, load_tokenizer, tokenizer_eos_id
+from pcg_engine.sampling_params import SamplingParams
+
+
+def test_eos_from_files_equals_the_loaded_tokenizer(dense_path):
+    tok = load_tokenizer(dense_path)
+    assert tok.eos_token_id is not None
+    assert tokenizer_eos_id(dense_path) == tok.eos_token_id
+    assert eos_token_ids(dense_path, tok) == eos_token_ids(dense_path, None) | {tok.eos_token_id}
+
+
+@pytest.fixture
+def tok_copy(dense_path, tmp_path):
+    for f in dense_path.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    return tmp_path
+
+
+def _edit(path, name, fn):
+    data = json.loads((path / name).read_text()) if (path / name).exists() else {}
+    fn(data)
+    (path / name).write_text(json.dumps(data))
+
+
+def test_eos_file_variants(tok_copy):
+    want = load_tokenizer(tok_copy).eos_token_id
+    text = json.loads((tok_copy / "tokenizer_config.json").read_text())["eos_token"]
+    # AddedToken form, and an added_tokens_decoder entry
+    _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(
+        eos_token={"content": text, "__type": "AddedToken"},
+        added_tokens_decoder={str(want): {"content": text, "special": True}}))
+    assert tokenizer_eos_id(tok_copy) == want
+    # special_tokens_map.json agreeing, then disagreeing: ask the tokenizer
+    _edit(tok_copy, "special_tokens_map.json", lambda d: d.update(eos_token=text))
+    assert tokenizer_eos_id(tok_copy) == want
+    _edit(tok_copy, "special_tokens_map.json", lambda d: d.update(eos_token="<|endoftext|>"))
+    assert tokenizer_eos_id(tok_copy) is _UNKNOWN
+    (tok_copy / "special_tokens_map.json").unlink()
+    # named nowhere (a tokenizer class may have a default), or a name the files do not hold
+    _edit(tok_copy, "tokenizer_config.json", lambda d: d.pop("eos_token"))
+    assert tokenizer_eos_id(tok_copy) is _UNKNOWN
+    _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(eos_token="<no such token>", added_tokens_decoder={}))
+    assert tokenizer_eos_id(tok_copy) is _UNKNOWN
+    _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(eos_token=None))
+    assert tokenizer_eos_id(tok_copy) is None
+
+
+def test_engine_loads_the_tokenizer_on_first_text(dense_path):
+    llm = make_llm(dense_path)
+    lazy = llm.engine.lazy_tokenizer
+    assert not lazy.loaded
+    assert llm.engine.eos_token_ids == eos_token_ids(dense_path, load_tokenizer(dense_path))
+    outs = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, detokenize=False))
+    assert len(outs[0].token_ids) >= 1 and not lazy.loaded          # token ids in, token ids out
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0]
+    assert lazy.loaded and out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert llm.tokenizer is llm.engine.tokenizer
+
+
+@pytest.mark.slow
+def test_startup_imports_no_transformers(dense_path):
+    """The whole start-up path (config, weights, engine) without transformers in the process."""
+    code = ("import sys; from pcg_engine.llm import LLM; "
+            f"llm = LLM({str(dense_path)!r}, device='cpu', max_num_seqs=4, max_model_len=64); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'sklearn', 'tokenizers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
