@@ -9,6 +9,7 @@ warm-up (engine/warmup.py) cannot disagree.
 """
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -44,7 +45,10 @@ SPLIT_PROGRAMS_PER_SM = 4  # choose_num_splits' target (B1 x 8192, Hk 8: 4 -> 64
 # Split decode inside a CUDA graph: the merge fused into the main kernel, so a split costs the
 # graph no second kernel node per layer (the merging program's partials are still in L2).
 GRAPH_SPLIT_DECODE_TUNING = DecodeTuning(fused_merge=True)
-MAX_GRAPH_SPLITS = 16  # the fused merge's tail grows with the split count (see graph_num_splits)
+# The fused merge's tail grows with the split count (see graph_num_splits). PCG_GRAPH_SPLITS=1
+# turns split-KV inside graphs off, another value moves the cap (an A/B switch for benchmarks,
+# read at import).
+MAX_GRAPH_SPLITS = max(1, min(int(os.environ.get("PCG_GRAPH_SPLITS", "16")), MAX_SPLITS))
 
 
 def _tile_config(head_dim: int, group: int, max_query_len: int, tuning: DecodeTuning):
