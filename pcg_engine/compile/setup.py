@@ -25,7 +25,7 @@ from pcg_engine.compile.cache import (CompileCache, cache_fields, inductor_cache
 from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
 from pcg_engine.compile.piecewise import MIN_TRACED_TOKENS, CompiledForward
-from pcg_engine.config import default_buckets
+from pcg_engine.config import default_buckets, sparse_buckets
 
 COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
 FULL_MODES = ("full_decode", "full_and_piecewise")
@@ -34,7 +34,10 @@ FULL_MODES = ("full_decode", "full_and_piecewise")
 def token_buckets_for(runner) -> list[int]:
     config = runner.config
     limit = runner.max_num_tokens
-    wanted = config.cudagraph_buckets or default_buckets(min(config.max_capture_tokens, limit))
+    # In full_and_piecewise, decode-only steps replay full graphs: the piecewise buckets serve only
+    # prefill and mixed steps, and a sparser list captures a third of the graphs (config.sparse_buckets).
+    default = sparse_buckets if runner.mode == "full_and_piecewise" else default_buckets
+    wanted = config.cudagraph_buckets or default(min(config.max_capture_tokens, limit))
     clamped = {max(b, MIN_TRACED_TOKENS) for b in wanted}
     return sorted(b for b in clamped if b <= limit)
 

@@ -1,0 +1,46 @@
+"""Default token buckets per mode (compile/setup.token_buckets_for): piecewise keeps the dense list,
+full_and_piecewise (decode-only steps on full graphs) the sparse one; an explicit list wins."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from pcg_engine.compile.full_graph import default_decode_buckets
+from pcg_engine.compile.setup import token_buckets_for
+from pcg_engine.config import EngineConfig, default_buckets, sparse_buckets
+
+
+def runner(mode, **config):
+    cfg = EngineConfig(mode=mode, **config)
+    return SimpleNamespace(config=cfg, mode=mode, max_num_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+
+
+def test_sparse_buckets_shape():
+    assert sparse_buckets(2048) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert sparse_buckets(4096)[-3:] == [2048, 3072, 4096]
+    assert sparse_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]      # the limit itself is a bucket
+    assert sparse_buckets(1000)[-2:] == [768, 1000]
+    for limit in range(1, 5000, 37):
+        b = sparse_buckets(limit)
+        assert b == sorted(set(b)) and b[-1] == limit
+        assert all(y <= 2 * x for x, y in zip(b, b[1:]))             # padding at most doubles a step
+        assert all(y <= 1.5 * x for x, y in zip(b, b[1:]) if x >= 256)
+
+
+def test_full_and_piecewise_defaults_to_sparse_buckets():
+    """Qwen3-0.6B's start-up at the defaults (max_num_seqs 256, 2048-token steps): a third of the
+    piece graphs, the same full decode graphs."""
+    fp, pw = runner("full_and_piecewise"), runner("piecewise")
+    assert token_buckets_for(fp) == [2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert token_buckets_for(pw) == sorted({max(2, b) for b in default_buckets(2048)})
+    pieces = 28 + 1                                  # split at each layer's attention
+    decode = len(default_decode_buckets(256))
+    assert (len(token_buckets_for(fp)) * pieces + decode, len(token_buckets_for(pw)) * pieces + decode) == \
+        (406 + 35, 1508 + 35)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_explicit_buckets_and_limits(mode):
+    assert token_buckets_for(runner(mode, cudagraph_buckets=[1, 3, 100, 5000])) == [2, 3, 100]
+    small = runner(mode, max_capture_tokens=48)
+    assert token_buckets_for(small)[-1] == 48
