@@ -41,7 +41,7 @@ part() {
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_pdl.json 2>&1 | tail -7 ;;   # A/B: kernels/pdl.py
     p1_8b_pdl) PCG_PDL=1 timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q8b_pdl.json 2>&1 | tail -7 ;;
-    p2) timeout $(lim 150) $B throughput --model $(model qwen3-0.6b) --modes full_and_piecewise --json $OUT/p2_q06.json 2>&1 | tail -8 ;;
+    p2) timeout $(lim 150) $B throughput --model $(model qwen3-0.6b) --modes full_and_piecewise --json $OUT/p2_q06${P2_TAG:-}.json 2>&1 | tail -8 ;;
     p3) timeout $(lim 200) $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts 300 \
           --request-rate 20 --input-len 1024 --output-len 128 --goodput ttft:200 tpot:20 --no-progress \
           --json $OUT/p3_q06.json 2>&1 | tail -12 ;;

@@ -49,6 +49,10 @@ GRAPH_SPLIT_DECODE_TUNING = DecodeTuning(fused_merge=True)
 # turns split-KV inside graphs off, another value moves the cap (an A/B switch for benchmarks,
 # read at import).
 MAX_GRAPH_SPLITS = max(1, min(int(os.environ.get("PCG_GRAPH_SPLITS", "16")), MAX_SPLITS))
+# Waves of programs graph_num_splits aims at. One wave is enough for batch 1's short contexts; P2's
+# tail phases (16-128 requests of 1-2k keys, 1.4-2x the KV-read floor) may want more programs to
+# even out requests of unequal length: PCG_GRAPH_SPLIT_WAVES is the A/B switch (read at import).
+GRAPH_SPLIT_WAVES = max(1, int(os.environ.get("PCG_GRAPH_SPLIT_WAVES", "1")))
 
 
 def _tile_config(head_dim: int, group: int, max_query_len: int, tuning: DecodeTuning):
@@ -110,7 +114,8 @@ def graph_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devic
     27.2 us against 17.1), and contexts of a few hundred keys have fewer tiles than that anyway."""
     if max_query_len > 1:  # prefill q-blocks fill the GPU by themselves
         return 1
-    return max(1, min(_num_sms(device) // max(num_reqs * num_kv_heads, 1), MAX_GRAPH_SPLITS, MAX_SPLITS))
+    programs = GRAPH_SPLIT_WAVES * _num_sms(device)
+    return max(1, min(programs // max(num_reqs * num_kv_heads, 1), MAX_GRAPH_SPLITS, MAX_SPLITS))
 
 
 class KernelVariant(NamedTuple):
