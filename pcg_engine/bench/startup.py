@@ -5,6 +5,16 @@ imports count. Cold runs get empty compile, Inductor and Triton cache directorie
 reuses them. The child reports the engine's own split (weight load, Dynamo, Inductor, capture) and
 the graph pool size.
 
+Both runs also share a private, initially empty PYTHONPYCACHEPREFIX (beside those caches): Python
+keeps the bytecode of every module it compiles there. A normal `pip install` writes .pyc files at
+install time, so a real warm start never compiles torch's or transformers' sources; the GPU
+machine's venv is read-only and has none (and PYTHONDONTWRITEBYTECODE=1 is set there and on the
+development machine), so every process recompiled them (7 s of the warm run in builtins.compile,
+bd3267b's profile). The children run with the prefix and without PYTHONDONTWRITEBYTECODE, so the
+warm run sees what an installed package sees. The cold run pays the compiles, as a first start without any bytecode
+would (on a machine whose venv does hold .pyc files, the prefix hides them, so the cold figure is
+the no-bytecode worst case there too).
+
     pcg bench startup --model qwen3-0.6b --mode full_and_piecewise --json startup.json
 """
 
@@ -48,6 +58,8 @@ def run_once(model: str, config: dict, cache_root: str, profile_path: str | None
         env["PCG_STARTUP_PROFILE"] = profile_path
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(cache_root, "triton")
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(cache_root, "pycache")   # see the module docstring
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     payload = json.dumps({"model": model, "compile_cache_dir": os.path.join(cache_root, "pcg"), **config})
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, payload], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -83,12 +95,15 @@ def main(argv=None) -> int:
         cold = run_once(model, config, root, prof("cold"))
         warm = run_once(model, config, root, prof("warm"))
     rows = []
+    parts = ("imports_s", "device_init_s", "weight_load_s", "kv_cache_s", "dynamo_s", "inductor_s", "capture_s",
+             "warmup_s")
     for name, r in (("cold", cold), ("warm", warm)):
         t = r["timings"]
-        rows.append([name, r["ready_s"], t.get("imports_s"), t.get("device_init_s"), t.get("weight_load_s"), t.get("dynamo_s"), t.get("inductor_s"),
-                     t.get("capture_s"), t.get("warmup_s"), t.get("graph_pool_mib")])
-    print_table(f"start-up ({cold['mode']})", ["run", "ready s", "imports s", "CUDA init s", "weights s", "dynamo s", "inductor s",
-                                                "capture s", "warm-up s", "graph pool MiB"], rows)
+        other = r["ready_s"] - sum(t.get(k) or 0.0 for k in parts)   # interpreter start, engine objects
+        rows.append([name, r["ready_s"], *(t.get(k) for k in parts), other, t.get("graph_pool_mib")])
+    print_table(f"start-up ({cold['mode']})", ["run", "ready s", "imports s", "CUDA init s", "weights s", "KV cache s",
+                                                "dynamo s", "inductor s", "capture s", "warm-up s", "other s",
+                                                "graph pool MiB"], rows)
     if args.json:
         write_json(args.json, {"cold": cold, "warm": warm, "config": config, **env_record(model, args.device)})
     return 0
