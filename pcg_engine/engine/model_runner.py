@@ -67,9 +67,11 @@ class ModelRunner:
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.max_num_tokens,
                                 device)
+        t0 = time.perf_counter()
         self.num_kv_blocks = self._num_kv_blocks()
         shape = kv_cache_shape(self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        self.timings["kv_cache_s"] = time.perf_counter() - t0    # sizing forward (CUDA) + allocation
         # Each attention module holds its layer's cache (a buffer: a graph input to the compiled
         # pieces, at this fixed address for the runner's life). Bound before any trace.
         bind_kv_caches(self.model, self.kv_caches)
