@@ -4,12 +4,16 @@ A request gets one row for its lifetime (preemption and finishing release it). T
 token ids and counts (row_state.py: the request is bound to the row, so they are written there
 directly) and its block table on the host; a step writes only what changed (appended blocks) and
 builds the flat batch with vectorised numpy gathers over the scheduled rows, no Python loop over
-tokens, and none over requests when the scheduler hands over the rows (ScheduledBatch). The result goes through pinned staging buffers into static device buffers whose
-addresses never change: CUDA graphs captured over them stay valid, and the compiled model always
-sees views of the same storage.
+tokens, and none over requests when the scheduler hands over the rows (ScheduledBatch). The result
+goes to the device in one copy (step_buffers.py) into static buffers whose addresses never change.
 
-Staging is double-buffered: with async scheduling, step s+1 is prepared while step s may still be
-waiting to run its host-to-device copies, and those copies must not read a buffer being refilled.
+An all-decode step from the scheduler's fast path (ScheduledBatch.seq_lens set: one token per row,
+every row samples) takes a shorter path: positions are the sequence lengths less one, the query
+starts and logits rows are constants kept in the staging, and the device block table is not sent
+again while the batch keeps its rows in the same order: only the blocks appended since the last
+step are written, by one scatter on the device (DESIGN.md: block-table rows change by appending).
+Anything that writes the static buffers outside prepare (warm-up, graph capture) must call
+`invalidate()` unless the rows change hands before the next step.
 """
 
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ import torch
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.engine.request import PLACEHOLDER
 from pcg_engine.engine.row_state import RowState
+from pcg_engine.engine.step_buffers import StepBuffers
 
 
 @dataclass
@@ -50,35 +55,28 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.sample_index = np.zeros(max_num_seqs, dtype=np.int64)  # row -> index in last step's tokens
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        pin = device.type == "cuda"
         T, R = max_num_tokens, max_num_seqs
-
-        def dev(*shape, dtype, fill=0):
-            return torch.full(shape, fill, dtype=dtype, device=device)
-
-        # Static device buffers: graphs and compiled pieces read these addresses every step.
-        self.input_ids = dev(T, dtype=torch.long)
-        self.positions = dev(T, dtype=torch.long)
-        self.slot_mapping = dev(T, dtype=torch.long, fill=-1)
-        self.query_start_loc = dev(R + 1, dtype=torch.int32)
-        self.seq_lens = dev(R, dtype=torch.int32)
-        self.step_block_table = dev(R, self.max_blocks, dtype=torch.int32)
-        self.logits_indices = dev(R, dtype=torch.long)
-        self.placeholder_index = dev(2 * T, dtype=torch.long)   # flat rows, then their index in last step's tokens
-        # Pinned host staging, two sets used alternately; one int64 buffer per step for the flat
-        # arrays and one int32 buffer for the per-request ones keeps it to a few copies.
-        self._staging = [self._make_staging(pin) for _ in range(2)]
-        self._flip = 0
-        self._non_blocking = device.type == "cuda"
+        # Static device buffers (graphs and compiled pieces read these addresses every step), all
+        # views of one buffer so that a step is one copy from its pinned staging.
+        self.buffers = b = StepBuffers(T, R, self.max_blocks, device)
+        self.input_ids, self.positions, self.slot_mapping = b.input_ids, b.positions, b.slot_mapping
+        self.query_start_loc, self.seq_lens, self.logits_indices = b.query_start_loc, b.seq_lens, b.logits_indices
+        self.step_block_table = b.block_table
+        self._table_flat = b.block_table.view(-1)
+        self._table_updates: dict[int, tuple] = {}
+        pin = device.type == "cuda"
+        self._non_blocking = pin
+        # Out-of-order placeholders (rare): flat rows, then their index in last step's tokens.
+        self.placeholder_index = torch.zeros(2 * T, dtype=torch.long, device=device)
+        self._ph_staging = [torch.zeros(2 * T, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._arange = np.arange(max(T, R) + 1, dtype=np.int64)
-
-    def _make_staging(self, pin):
-        T, R, B = self.max_num_tokens, self.max_num_seqs, self.max_blocks
-        stage = {"tok": torch.zeros(3 * T + R, dtype=torch.long, pin_memory=pin),
-                 "req": torch.zeros(2 * R + 1 + R * B, dtype=torch.int32, pin_memory=pin),
-                 "ph": torch.zeros(2 * T, dtype=torch.long, pin_memory=pin)}
-        stage.update({f"{k}_np": v.numpy() for k, v in list(stage.items())})   # views of the same memory
-        return stage
+        # What the device block table holds: the rows of `_table_rows` in batch order, padded to the
+        # key's Rp, at the key's RowState version; per batch position, the columns written.
+        self._table_rows: np.ndarray | None = None
+        self._table_key = None
+        self._table_cols = np.zeros(R, dtype=np.int64)
+        # The rows that sampled in the last prepared step, in logits order (sample_index holds it).
+        self._sampled_rows: np.ndarray | None = None
 
     # ---- rows -------------------------------------------------------------------------------
     def add(self, request) -> int:
@@ -107,7 +105,14 @@ class InputBatch:
             self.block_table[row, nb:len(block_ids)] = block_ids[nb:]
         elif len(block_ids) < nb:  # blocks released (preemption): the row starts over
             self.block_table[row, :len(block_ids)] = block_ids
+            self._table_rows = None            # the device copy holds blocks no longer the row's
         self.num_blocks[row] = self.state.table_len[row] = len(block_ids)
+
+    def invalidate(self) -> None:
+        """The static buffers were written outside prepare: the next step sends everything."""
+        self._table_rows = self._sampled_rows = None
+        for s in self.buffers.staging:
+            s.key = None
 
     def set_token(self, request_id: str, index: int, token: int) -> None:
         """A placeholder resolved on the host: record its real value in the row."""
@@ -119,17 +124,18 @@ class InputBatch:
         every scheduled request is (a step with prefills or admissions)."""
         rows = getattr(scheduled, "rows", None)
         if rows is not None:
-            changed = np.flatnonzero(self.state.table_len[rows] != self.num_blocks[rows])
-            if not len(changed):
+            grown = getattr(scheduled, "grown", None)
+            if grown is None:                          # not told: find them
+                grown = np.flatnonzero(self.state.table_len[rows] != self.num_blocks[rows])
+            if not len(grown):
                 return
-            grown = rows[changed]
-            have = self.num_blocks[grown]
-            if np.array_equal(self.state.table_len[grown], have + 1):    # one block each: one write
-                self.block_table[grown, have] = [block_table(scheduled[i][0].request_id)[-1]
-                                                 for i in changed.tolist()]
-                self.num_blocks[grown] = have + 1
+            at = rows[grown]
+            have = self.num_blocks[at]
+            if np.array_equal(self.state.table_len[at], have + 1):    # one block each: one write
+                self.block_table[at, have] = [block_table(scheduled[i][0].request_id)[-1] for i in grown.tolist()]
+                self.num_blocks[at] = have + 1
                 return
-            for i in changed.tolist():
+            for i in grown.tolist():
                 request = scheduled[i][0]
                 self.update(request, block_table(request.request_id))
             return
@@ -164,9 +170,14 @@ class InputBatch:
         input is filled from there, on the device.
         """
         R = len(scheduled)
+        rows = getattr(scheduled, "rows", None)
+        seq_lens = getattr(scheduled, "seq_lens", None)
+        if seq_lens is not None:
+            Tp, Rp = max(pad_tokens_to or R, R), max(pad_reqs_to or R, R)
+            self._check_size(Tp, Rp)
+            return self._prepare_decode(scheduled, rows, seq_lens, Tp, Rp, previous_tokens)
         # The rows and token counts: handed over by the scheduler's decode fast path, else one
         # pass over the requests; the rest is numpy over the rows.
-        rows = getattr(scheduled, "rows", None)
         if rows is None:
             row_of = self.row_of
             rows = np.fromiter((row_of[r.request_id] for r, _ in scheduled), np.int64, R)
@@ -177,8 +188,7 @@ class InputBatch:
         T = int(n.sum())
         Tp = max(pad_tokens_to or T, T)
         Rp = max(pad_reqs_to or R, R)
-        if Tp > self.max_num_tokens or Rp > self.max_num_seqs:
-            raise RuntimeError(f"step of {Tp} tokens / {Rp} requests exceeds the input batch")
+        self._check_size(Tp, Rp)
         seq_lens = computed + n
         sampling = seq_lens == num_tokens
         arange = self._arange
@@ -192,85 +202,164 @@ class InputBatch:
         input_ids = self.token_ids[tok_rows, positions]
         bs = self.block_size
         blocks = self.block_table[tok_rows, positions // bs].astype(np.int64)
-        slots = blocks * bs + positions % bs
         logits_idx = qsl[1:][sampling] - 1
         S = len(logits_idx)
         max_seq_len = int(seq_lens.max()) if R else 0
 
-        stage = self._staging[self._flip]
-        self._flip ^= 1
-        tok = stage["tok_np"]
-        tok[:T] = np.maximum(input_ids, 0)   # placeholders are filled on the device below
-        tok[Tp:Tp + T] = positions
-        tok[2 * Tp:2 * Tp + T] = slots
-        if Tp > T:
-            tok[T:Tp] = 0
-            tok[Tp + T:2 * Tp] = 0
-            tok[2 * Tp + T:3 * Tp] = -1      # padding tokens write the scratch block
-        tok[3 * Tp:3 * Tp + S] = logits_idx
-        req = stage["req_np"]
-        req[:R + 1] = qsl
+        i, st = self.buffers.next_staging()
+        st.key = None                        # the constant parts of a decode step are overwritten
+        st.input_ids[:T] = np.maximum(input_ids, 0)   # placeholders are filled on the device below
+        st.positions[:T] = positions
+        st.slot_mapping[:T] = blocks * bs + positions % bs
+        st.input_ids[T:Tp] = 0
+        st.positions[T:Tp] = 0
+        st.slot_mapping[T:Tp] = -1                    # padding tokens write the scratch block
+        st.logits_indices[:S] = logits_idx
+        st.query_start_loc[:R + 1] = qsl
         # Padding requests own one (padding) token each when the step is padded per request
         # (full decode graphs); their seq_len 0 makes attention return zeros for them.
-        if Rp > R:
-            req[R + 1:Rp + 1] = np.minimum(T + np.arange(1, Rp - R + 1), Tp)
-        off = Rp + 1
-        req[off:off + R] = seq_lens
-        req[off + R:off + Rp] = 0
-        off += Rp
-        bt = req[off:off + Rp * self.max_blocks].reshape(Rp, self.max_blocks)
-        # Only the columns in use: attention never reads a row past its seq_len's blocks, so the
-        # stale columns beyond (left from earlier steps) are never seen.
-        used = -(-max_seq_len // bs)
-        bt[:R, :used] = self.block_table[rows, :used]
-        bt[R:] = 0
-
-        stage_tok, stage_req = stage["tok"], stage["req"]
-        nb = self._non_blocking
-        self.input_ids[:Tp].copy_(stage_tok[:Tp], non_blocking=nb)
-        self.positions[:Tp].copy_(stage_tok[Tp:2 * Tp], non_blocking=nb)
-        self.slot_mapping[:Tp].copy_(stage_tok[2 * Tp:3 * Tp], non_blocking=nb)
-        self.logits_indices[:S].copy_(stage_tok[3 * Tp:3 * Tp + S], non_blocking=nb)
-        self.query_start_loc[:Rp + 1].copy_(stage_req[:Rp + 1], non_blocking=nb)
-        self.seq_lens[:Rp].copy_(stage_req[Rp + 1:2 * Rp + 1], non_blocking=nb)
-        self.step_block_table[:Rp].copy_(stage_req[2 * Rp + 1:2 * Rp + 1 + Rp * self.max_blocks]
-                                         .view(Rp, self.max_blocks), non_blocking=nb)
-
-        # Async scheduling: a placeholder input (-1 in the row) takes its real value from the
-        # previous step's sampled tokens, on the device: nothing is read back to the host.
-        ph = np.flatnonzero(input_ids == PLACEHOLDER)
-        k = len(ph)
+        st.query_start_loc[R + 1:Rp + 1] = np.minimum(T + arange[1:Rp - R + 1], Tp)
+        st.seq_lens[:R] = seq_lens
+        st.seq_lens[R:Rp] = 0
+        views = self.buffers.views(Tp, Rp, S)
+        table, k = self._stage_table(st, rows, R, Rp, -(-max_seq_len // bs))
+        self.buffers.upload(views, i, table)
         if k:
-            if previous_tokens is None:
-                raise RuntimeError("a placeholder token is scheduled but no step is in flight")
-            src = self.sample_index[tok_rows[ph]]
-            if ph[-1] == k - 1 and np.array_equal(src, arange[:k]):
-                # The first k inputs take the previous step's first k tokens in order (a decode
-                # batch whose order did not change): one device copy, no index upload.
-                self.input_ids[:k].copy_(previous_tokens[:k], non_blocking=nb)
-            else:
-                # Through pinned staging: a copy from pageable memory would wait for the GPU to
-                # drain, which is exactly the overlap async scheduling exists for.
-                staged = stage["ph_np"]
-                staged[:k] = ph
-                staged[k:2 * k] = src
-                index = self.placeholder_index
-                index[:2 * k].copy_(stage["ph"][:2 * k], non_blocking=nb)
-                self.input_ids.index_copy_(0, index[:k], previous_tokens.index_select(0, index[k:2 * k]))
+            self._scatter_table(k)
+
+        ph = np.flatnonzero(input_ids == PLACEHOLDER)
+        if len(ph):
+            self._fill_placeholders(ph, tok_rows, previous_tokens, i)
         # Where each row's sampled token will sit in this step's output, for the next step.
-        self.sample_index[rows[sampling]] = arange[:S]
+        sampled_rows = rows[sampling]
+        self.sample_index[sampled_rows] = arange[:S]
+        self._sampled_rows = sampled_rows
 
         meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc[:Rp + 1], seq_lens=self.seq_lens[:Rp],
-            block_table=self.step_block_table[:Rp], slot_mapping=self.slot_mapping[:Tp],
-            num_reqs=Rp, num_tokens=Tp, max_query_len=max(int(n.max()) if R else 0, 1 if Rp > R else 0),
-            max_seq_len=max_seq_len,
-            query_start_loc_cpu=torch.from_numpy(req[:Rp + 1].copy()),
-            seq_lens_cpu=torch.from_numpy(req[Rp + 1:2 * Rp + 1].copy()))
+            query_start_loc=views.query_start_loc, seq_lens=views.seq_lens, block_table=views.block_table,
+            slot_mapping=views.slot_mapping, num_reqs=Rp, num_tokens=Tp,
+            max_query_len=max(int(n.max()) if R else 0, 1 if Rp > R else 0), max_seq_len=max_seq_len,
+            query_start_loc_cpu=torch.from_numpy(st.query_start_loc[:Rp + 1].copy()),
+            seq_lens_cpu=torch.from_numpy(st.seq_lens[:Rp].copy()))
         requests = getattr(scheduled, "requests", None)
         if requests is not None and S == R:
             sample_rows = requests
         else:
             sample_rows = [r for (r, _), s in zip(scheduled, sampling.tolist()) if s]
-        return StepInputs(self.input_ids[:Tp], self.positions[:Tp], meta, self.logits_indices[:S], T, R, sample_rows,
-                          rows[sampling])
+        return StepInputs(views.input_ids, views.positions, meta, views.logits_indices, T, R, sample_rows,
+                          sampled_rows)
+
+    def _prepare_decode(self, scheduled, rows, seq_lens, Tp, Rp, previous_tokens) -> StepInputs:
+        """prepare() of an all-decode step: one token per row at position seq_len - 1, every row samples."""
+        R, bs, arange = len(rows), self.block_size, self._arange
+        i, st = self.buffers.next_staging()
+        positions = np.subtract(seq_lens, 1, out=st.positions[:R])
+        input_ids = self.token_ids[rows, positions]
+        np.maximum(input_ids, 0, out=st.input_ids[:R])    # placeholders are filled on the device below
+        block, offset = np.divmod(positions, bs)
+        slots = st.slot_mapping[:R]
+        np.multiply(self.block_table[rows, block], bs, out=slots, dtype=np.int64)
+        slots += offset
+        st.seq_lens[:R] = seq_lens
+        views = self.buffers.views(Tp, Rp, R)
+        qsl_cpu = views.cache.get("decode_qsl")
+        if st.key != (Tp, Rp, R):           # the parts that stay the same from step to step
+            st.key = (Tp, Rp, R)
+            st.query_start_loc[:R + 1] = arange[:R + 1]
+            st.query_start_loc[R + 1:Rp + 1] = np.minimum(R + arange[1:Rp - R + 1], Tp)
+            st.logits_indices[:R] = arange[:R]
+            st.input_ids[R:Tp] = 0
+            st.positions[R:Tp] = 0
+            st.slot_mapping[R:Tp] = -1
+            st.seq_lens[R:Rp] = 0
+        if qsl_cpu is None:
+            qsl_cpu = views.cache["decode_qsl"] = torch.from_numpy(st.query_start_loc[:Rp + 1].copy())
+        max_seq_len = int(seq_lens.max())
+        table, k = self._stage_table(st, rows, R, Rp, -(-max_seq_len // bs))
+        self.buffers.upload(views, i, table)
+        if k:
+            self._scatter_table(k)
+        same_order = rows is self._sampled_rows
+        if input_ids.min() < 0:
+            if not same_order and self._sampled_rows is not None and np.array_equal(rows, self._sampled_rows):
+                same_order = True
+            if same_order and input_ids.max() < 0:
+                # Every input takes the previous step's token in the same position (a decode batch
+                # whose order did not change): one device copy, no index upload.
+                if previous_tokens is None:
+                    raise RuntimeError("a placeholder token is scheduled but no step is in flight")
+                self.input_ids[:R].copy_(previous_tokens[:R], non_blocking=self._non_blocking)
+            else:
+                self._fill_placeholders(np.flatnonzero(input_ids == PLACEHOLDER), rows, previous_tokens, i)
+        if not same_order:
+            self.sample_index[rows] = arange[:R]
+            self._sampled_rows = rows
+        meta = AttentionMetadata(
+            query_start_loc=views.query_start_loc, seq_lens=views.seq_lens, block_table=views.block_table,
+            slot_mapping=views.slot_mapping, num_reqs=Rp, num_tokens=Tp, max_query_len=1, max_seq_len=max_seq_len,
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=torch.from_numpy(st.seq_lens[:Rp].copy()))
+        return StepInputs(views.input_ids, views.positions, meta, views.logits_indices, R, R, scheduled.requests,
+                          rows)
+
+    def _check_size(self, Tp: int, Rp: int) -> None:
+        if Tp > self.max_num_tokens or Rp > self.max_num_seqs:
+            raise RuntimeError(f"step of {Tp} tokens / {Rp} requests exceeds the input batch")
+
+    def _stage_table(self, st, rows, R: int, Rp: int, used: int) -> tuple[bool, int]:
+        """Stage the step's block table: (True, 0) when rows [:Rp] must be sent whole; (False, k)
+        when the device holds it but for k appended blocks, staged as (flat index, block id)."""
+        key = (R, Rp, self.state.version)
+        prev = self._table_rows
+        if prev is not None and self._table_key == key and (rows is prev or np.array_equal(rows, prev)):
+            cols = self._table_cols[:R]
+            need = self.num_blocks[rows] - cols
+            if not need.any():
+                return False, 0
+            grown = np.flatnonzero(need)
+            if np.all(need[grown] == 1):
+                at = cols[grown]
+                k = len(grown)
+                st.table_index[:k] = grown * self.max_blocks + at
+                st.table_value[:k] = self.block_table[rows[grown], at]
+                cols[grown] = at + 1
+                self._table_rows = rows
+                return False, k
+        used = min(used, self.max_blocks)
+        # Only the columns in use: attention never reads a row past its seq_len's blocks, so the
+        # stale columns beyond (left from earlier steps) are never seen.
+        bt = st.block_table
+        bt[:R, :used] = self.block_table[rows, :used]
+        bt[R:Rp] = 0
+        np.minimum(self.num_blocks[rows], used, out=self._table_cols[:R])
+        self._table_rows, self._table_key = rows, key
+        return True, 0
+
+    def _scatter_table(self, k: int) -> None:
+        """Write the k staged appends (already on the device) into the device block table."""
+        pair = self._table_updates.get(k)
+        if pair is None:
+            with torch.inference_mode(False):
+                pair = self._table_updates[k] = (self.buffers.table_index[:k], self.buffers.table_value[:k])
+        self._table_flat.index_copy_(0, *pair)
+
+    def _fill_placeholders(self, ph: np.ndarray, tok_rows: np.ndarray, previous_tokens, i: int) -> None:
+        """Async scheduling: a placeholder input (-1 in the row) takes its real value from the
+        previous step's sampled tokens, on the device: nothing is read back to the host."""
+        if previous_tokens is None:
+            raise RuntimeError("a placeholder token is scheduled but no step is in flight")
+        k = len(ph)
+        src = self.sample_index[tok_rows[ph]]
+        nb = self._non_blocking
+        if ph[-1] == k - 1 and np.array_equal(src, self._arange[:k]):
+            # The first k inputs take the previous step's first k tokens in order: one device copy.
+            self.input_ids[:k].copy_(previous_tokens[:k], non_blocking=nb)
+            return
+        # Through pinned staging: a copy from pageable memory would wait for the GPU to drain,
+        # which is exactly the overlap async scheduling exists for.
+        staged = self._ph_staging[i]
+        host = staged.numpy()
+        host[:k] = ph
+        host[k:2 * k] = src
+        index = self.placeholder_index
+        index[:2 * k].copy_(staged[:2 * k], non_blocking=nb)
+        self.input_ids.index_copy_(0, index[:k], previous_tokens.index_select(0, index[k:2 * k]))

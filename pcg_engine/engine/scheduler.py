@@ -54,9 +54,11 @@ class SchedulerConfig:
 
 class ScheduledBatch(list):
     """[(request, new tokens)] in batch order; from the decode fast path also numpy `rows` and
-    `num_new` per entry and the `requests` (all of which sample). None where not known."""
+    `num_new` per entry and the `requests` (all of which sample), each row's sequence length after
+    the step (`seq_lens`: set only for an all-decode step) and the entries whose block table grew
+    this step (`grown`). None where not known."""
 
-    rows = num_new = requests = None
+    rows = num_new = requests = seq_lens = grown = None
 
 
 @dataclass
@@ -86,7 +88,8 @@ class Scheduler:
         # The decode fast path's rows of `running`, valid while neither `running` nor any row's
         # owner changed: (running version, RowState, its version) it was made at, and the rows.
         self._running_version = 0
-        self._rows_cache = (None, None)
+        self._rows_cache = (None, None, None)     # key, rows, [(request, 1)] of every running request
+        self._ones_cache = np.ones(0, np.int64)
 
     # Queue ---------------------------------------------------------------------------------------
 
@@ -199,41 +202,54 @@ class Scheduler:
         state = running[0]._rows
         if state is None:
             return None
-        key, rows = self._rows_cache
-        if key != (self._running_version, state, state.version) or len(rows) != len(running):
+        key, rows, pairs = self._rows_cache
+        if key != (self._running_version, state, state.version) or len(pairs or running) != len(running):
             rows = np.fromiter([r._row for r in running], np.int64, len(running))
-            self._rows_cache = ((self._running_version, state, state.version), rows)
-        if rows.min() < 0:
+            if rows.min() < 0:
+                rows = pairs = None                      # not every running request holds a row
+            else:
+                pairs = list(zip(running, repeat(1)))
+            self._rows_cache = ((self._running_version, state, state.version), rows, pairs)
+        if rows is None:
             return None
         num_tokens = state.num_tokens[rows]
         if not np.array_equal(num_tokens, state.num_computed[rows] + 1):
             return None                                  # a prefill chunk (or nothing to compute)
-        skip = (state.num_placeholders[rows] > 0) & (num_tokens > state.last_index[rows])
-        take = ~skip
-        count = int(np.count_nonzero(take))
-        if count > budget:
+        requests = running
+        over = num_tokens > state.last_index[rows]
+        if over.any():
+            # Rows whose last allowed token is in flight: nothing to compute.
+            take = ~(over & (state.num_placeholders[rows] > 0))
+            requests = list(compress(running, take.tolist()))
+            rows, num_tokens, pairs = rows[take], num_tokens[take], None
+        count = len(requests)
+        if count > budget or not count:
             return None
         blocks = self.block_manager
-        need = (num_tokens + (blocks.block_size - 1)) // blocks.block_size - state.table_len[rows]
-        grow = np.flatnonzero(take & (need > 0))
+        bs = blocks.block_size
+        table_len = state.table_len[rows]
+        grow = np.flatnonzero(num_tokens > table_len * bs)
         if len(grow):
-            counts = need[grow]
+            counts = (num_tokens[grow] + (bs - 1)) // bs - table_len[grow]
             if int(counts.sum()) > blocks.num_free_blocks:
                 return None                              # someone must be preempted
             # In running order, as the general loop would allocate them.
-            blocks.grow([running[i].request_id for i in grow.tolist()], counts.tolist())
-            state.table_len[rows[grow]] += counts
-        if count == len(running):
-            requests = list(running)
-        else:
-            requests = list(compress(running, take.tolist()))
-            rows = rows[take]
-        scheduled = ScheduledBatch(zip(requests, repeat(1)))
-        scheduled.rows, scheduled.num_new, scheduled.requests = rows, np.ones(count, np.int64), requests
+            blocks.grow([requests[i].request_id for i in grow.tolist()], counts.tolist())
+            state.table_len[rows[grow]] = table_len[grow] + counts
+        scheduled = ScheduledBatch(pairs if pairs is not None else zip(requests, repeat(1)))
+        scheduled.rows, scheduled.num_new, scheduled.requests = rows, self._ones(count), list(requests)
+        scheduled.seq_lens, scheduled.grown = num_tokens, grow
         out.scheduled = scheduled
         out.samples = [True] * count
         out.num_batched_tokens = count
         return budget - count
+
+    def _ones(self, n: int) -> np.ndarray:
+        ones = self._ones_cache
+        if len(ones) < n:
+            ones = self._ones_cache = np.ones(2 * n, np.int64)
+            ones.flags.writeable = False
+        return ones[:n]
 
     def schedule(self) -> SchedulerOutput:
         cfg, blocks = self.config, self.block_manager
@@ -296,7 +312,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             out.admitted.append(request)
             # The fast path's arrays no longer cover the batch.
-            out.scheduled.rows = out.scheduled.num_new = out.scheduled.requests = None
+            sb = out.scheduled
+            sb.rows = sb.num_new = sb.requests = sb.seq_lens = sb.grown = None
             self._schedule_one(out, request, num_new)
             budget -= num_new
         return out
@@ -313,21 +330,29 @@ class Scheduler:
         rows = getattr(scheduled, "rows", None)
         if rows is not None:                   # the decode fast path: all bound to one RowState
             state = scheduled.requests[0]._rows if len(rows) else None
-            if state is not None:
+            if state is None:
+                return
+            after = scheduled.seq_lens         # all-decode: each row computes up to its last token
+            if after is None:
                 before = state.num_computed[rows]
                 after = before + scheduled.num_new
-                state.num_computed[rows] = after
-                if self.block_manager.enable_prefix_caching:
-                    filled = np.flatnonzero(before // bs != after // bs)
-                    # A block ending in a placeholder is published when that token is resolved
-                    # (and, placeholders trailing, no earlier block waits): skip the call.
-                    filled = filled[state.token_ids[rows[filled], after[filled] - 1] != PLACEHOLDER]
-                    if len(filled):
-                        # One batched call: tokens straight from the rows, not per request.
-                        at = rows[filled]
-                        self.block_manager.cache_full_blocks_rows(
-                            list(map(scheduled.requests.__getitem__, filled.tolist())), state.token_ids, at,
-                            np.minimum(after[filled], state.num_tokens[at]) // bs)
+                filled = np.flatnonzero(before // bs != after // bs)
+            elif self.block_manager.enable_prefix_caching:
+                filled = np.flatnonzero(after % bs == 0)
+            state.num_computed[rows] = after
+            if self.block_manager.enable_prefix_caching and len(filled):
+                # A block ending in a placeholder is published when that token is resolved
+                # (and, placeholders trailing, no earlier block waits): skip the call.
+                at = rows[filled]
+                end = after[filled]
+                keep = state.token_ids[at, end - 1] != PLACEHOLDER
+                if not keep.all():
+                    filled, at, end = filled[keep], at[keep], end[keep]
+                if len(filled):
+                    # One batched call: tokens straight from the rows, not per request.
+                    self.block_manager.cache_full_blocks_rows(
+                        list(map(scheduled.requests.__getitem__, filled.tolist())), state.token_ids, at,
+                        np.minimum(end, state.num_tokens[at]) // bs)
             return
         for request, num_new in scheduled:
             before = request.num_computed_tokens

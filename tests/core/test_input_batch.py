@@ -15,6 +15,7 @@ import torch
 
 from pcg_engine.engine.input_batch import InputBatch
 from pcg_engine.engine.request import PLACEHOLDER, Request
+from pcg_engine.engine.scheduler import ScheduledBatch
 
 BS = 4
 MAX_LEN = 64
@@ -282,3 +283,121 @@ def test_placeholders_take_previous_tokens_in_any_order(order):
     got = batch.prepare([(r, 1) for r in step], previous_tokens=sampled)
     want = [int(sampled[first.sample_rows.index(r)]) for r in step]
     assert got.input_ids.tolist() == want
+
+
+class DecodeWorkload(Workload):
+    """Mostly decode steps in a stable order, handed over as the scheduler's fast path does
+    (ScheduledBatch with rows, seq_lens, requests; the same rows array while nothing changes), so
+    prepare keeps the device block table by appending; now and then an arrival, a finish, a
+    preemption or a row whose blocks are replaced (same count, other ids) breaks the pattern."""
+
+    def __init__(self, seed, async_mode):
+        super().__init__(seed, async_mode)
+        self.rows = None          # the last decode step's rows array, reused while unchanged
+        self.decode_steps = 0
+
+    def step(self, pad):
+        rng = self.rng
+        if len(self.active) < MAX_SEQS and rng.random() < 0.1:
+            self.new_request()
+        if self.active and rng.random() < 0.03:          # blocks replaced without a rebind
+            r = rng.choice(self.active)
+            table = self.tables[r.request_id]
+            self.free_blocks += table
+            self.tables[r.request_id] = table = [self.free_blocks.pop(0) for _ in table]
+            self.batch.update(r, [])
+            self.batch.update(r, table)
+        todo = [r for r in self.active if r.num_tokens > r.num_computed_tokens and r.num_tokens < MAX_LEN]
+        if not todo:
+            return False
+        if any(r.num_tokens - r.num_computed_tokens > 1 for r in todo):
+            scheduled, budget = [], MAX_TOKENS
+            for r in todo:
+                n = min(r.num_tokens - r.num_computed_tokens, budget)
+                if n:
+                    scheduled.append((r, n))
+                    budget -= n
+            self.rows = None
+        else:
+            scheduled = ScheduledBatch((r, 1) for r in todo)
+            rows = np.array([self.batch.row_of[r.request_id] for r in todo], dtype=np.int64)
+            if self.rows is None or not np.array_equal(rows, self.rows):
+                self.rows = rows
+            scheduled.rows, scheduled.requests = self.rows, list(todo)
+            scheduled.num_new = np.ones(len(todo), np.int64)
+            scheduled.seq_lens = np.array([r.num_tokens for r in todo], dtype=np.int64)
+            self.decode_steps += 1
+        for r, n in scheduled:
+            table = self.tables[r.request_id]
+            while len(table) * BS < r.num_computed_tokens + n:
+                table.append(self.free_blocks.pop())
+            self.batch.update(r, table)
+        pad_t = pad_r = None
+        if pad and isinstance(scheduled, ScheduledBatch) and rng.random() < 0.7:
+            pad_r = min(MAX_SEQS, len(scheduled) + rng.choice([0, 0, 1, 3]))
+            pad_t = pad_r
+        got = check_step(self.batch, scheduled, self.tables, self.prev_sample_pos, self.previous_tokens,
+                         pad_t, pad_r)
+        sampled = torch.tensor([rng.randint(3, 999) for _ in got.sample_rows], dtype=torch.long)
+        for r, n in scheduled:
+            r.num_computed_tokens += n
+        for r, index, j in self.unresolved:
+            if r in self.active and index < r.num_tokens and r.token_ids[index] == PLACEHOLDER:
+                r.resolve_placeholder(index, int(self.previous_tokens[j]))
+        self.unresolved, self.prev_sample_pos = [], {}
+        for j, r in enumerate(got.sample_rows):
+            if self.async_mode:
+                self.unresolved.append((r, r.num_tokens, j))
+                r.append_output(PLACEHOLDER)
+            else:
+                r.append_output(int(sampled[j]))
+            self.prev_sample_pos[r.request_id] = j
+        self.previous_tokens = sampled
+        for r in list(self.active):
+            if r.num_tokens >= MAX_LEN - 1 or rng.random() < 0.02:
+                self.release(r)
+                self.rows = None
+            elif r.num_placeholders == 0 and rng.random() < 0.02:
+                self.release(r, preempt=True)
+                self.rows = None
+        return True
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode):
+    """The all-decode path (device block table kept by appending, constant parts kept in the
+    staging, in-order placeholders by one device copy) gives the same flat batch as the rebuild."""
+    w = DecodeWorkload(seed, async_mode)
+    for _ in range(4):
+        w.new_request()
+    appended = 0
+    for _ in range(150):
+        before = w.batch._table_rows
+        w.step(pad)
+        appended += before is not None and w.batch._table_rows is before
+    assert w.decode_steps > 80
+    assert appended > 40, "most decode steps should keep the device block table"
+
+
+def test_invalidate_sends_everything_again():
+    batch = InputBatch(2, MAX_LEN, BS, MAX_TOKENS, torch.device("cpu"))
+    a = Request("a", [5, 6, 7], SimpleNamespace(max_tokens=8))
+    batch.add(a)
+    batch.update(a, [3])
+    tables = {"a": [3, 8]}
+    check_step(batch, [(a, 3)], tables, {}, None)
+    a.num_computed_tokens = 3
+    a.append_output(11)
+    decode = ScheduledBatch([(a, 1)])
+    decode.rows, decode.requests = np.array([batch.row_of["a"]]), [a]
+    decode.num_new, decode.seq_lens = np.ones(1, np.int64), np.array([4])
+    check_step(batch, decode, tables, {}, None)
+    batch.update(a, [3, 8])
+    batch.step_block_table.zero_()          # as a warm-up's dummy step does
+    batch.invalidate()
+    a.num_computed_tokens = 4
+    a.append_output(12)
+    decode.seq_lens = np.array([5])
+    check_step(batch, decode, tables, {}, None)
