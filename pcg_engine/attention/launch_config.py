@@ -42,9 +42,13 @@ class DecodeTuning(NamedTuple):
 DECODE_TUNING = DecodeTuning()
 SPLIT_DECODE_TUNING = DecodeTuning()
 SPLIT_PROGRAMS_PER_SM = 4  # choose_num_splits' target (B1 x 8192, Hk 8: 4 -> 64 splits, 2 -> 33)
-# Split decode inside a CUDA graph: the merge fused into the main kernel, so a split costs the
-# graph no second kernel node per layer (the merging program's partials are still in L2).
-GRAPH_SPLIT_DECODE_TUNING = DecodeTuning(fused_merge=True)
+# Split decode inside a CUDA graph: the merge as a second kernel. Fusing it into the main kernel
+# saves that graph node, but its last-arriving program then merges every split alone, serially:
+# on the H200, graph replays at batch 1 (`bench_kernels.py --only graph_split`, session 4 call 2),
+# fused vs merge kernel, both kernels counted: GQA 2 (Qwen3-0.6B) 11.7 vs 9.6 us at 1,024 keys,
+# 28.9 vs 28.2 at 8,192; GQA 4 (Qwen3-8B) 10.5 vs 8.1 at 384, 19.6 vs 9.7 at 1,024, 36.3 vs 26.6
+# at 8,192.
+GRAPH_SPLIT_DECODE_TUNING = DecodeTuning(fused_merge=False)
 # The fused merge's tail grows with the split count (see graph_num_splits). PCG_GRAPH_SPLITS=1
 # turns split-KV inside graphs off, another value moves the cap (an A/B switch for benchmarks,
 # read at import).

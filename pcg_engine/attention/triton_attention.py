@@ -48,6 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pcg_engine.kernels import pdl
+from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+
 # The launch's host-side choices live in launch_config.py; re-exported here, where callers look.
 from pcg_engine.attention.launch_config import (  # noqa: F401
     DECODE_TUNING, GRAPH_SPLIT_DECODE_TUNING, MAX_GRAPH_SPLITS, MAX_SPLITS, SPLIT_DECODE_TUNING,
@@ -119,8 +122,11 @@ def _unified_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, SEARCH: tl.constexpr,
-    DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # kernels/pdl.py: q, the cache and the metadata all come from earlier kernels or copies
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -275,7 +281,10 @@ def _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, tok0, n_tok, head0, use
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
                          stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -355,7 +364,7 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         IEEE=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16), SEARCH=SEARCH_BLOCK,
         DECODE=v.decode, FUSED_MERGE=v.fused_merge,
         MERGE_CHUNK=v.merge_chunk,
-        num_warps=v.num_warps, num_stages=v.num_stages,
+        num_warps=v.num_warps, num_stages=v.num_stages, **pdl.launch_kwargs(q.device),
     )
     if v.split and not v.fused_merge:
         _merge_splits_kernel[(T, num_heads)](
@@ -363,5 +372,5 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             SPLITS_PAD=v.splits_pad, HEAD_DIM=head_dim,
-            num_warps=4 if head_dim >= 128 else 2,
+            num_warps=4 if head_dim >= 128 else 2, **pdl.launch_kwargs(q.device),
         )

@@ -7,7 +7,7 @@ Split-KV has two policies. An eager step's count (`choose_num_splits`) uses max_
 per-step host value, and splits only long contexts (its merge is a second launch). Inside
 `capturing()` (the full decode graphs' capture, and their eager stand-in) the count is
 `graph_num_splits`, from the bucket's request count, the head counts and the SM count only, with
-the merge fused into the kernel (GRAPH_SPLIT_DECODE_TUNING): a replay launches the captured grid
+the tuning GRAPH_SPLIT_DECODE_TUNING (a merge kernel whose grid is the bucket's): a replay launches the captured grid
 for any contexts, and small decode batches split from the first token on. The eager count is
 stored in the step's metadata by its first attention call.
 

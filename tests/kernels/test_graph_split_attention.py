@@ -1,12 +1,12 @@
 """Split-KV inside CUDA graphs: the split count of a graphed decode launch comes from the bucket.
 
 The full decode graphs launch attention with `graph_num_splits` (batch bucket, head counts, SM
-count) and the merge fused into the kernel, whatever the requests' contexts. A replay reruns the
+count) and GRAPH_SPLIT_DECODE_TUNING's merge, whatever the requests' contexts. A replay reruns the
 captured launch on new buffer contents, so here one bucket's metadata (static buffers, the
 bucket's host values) is launched again and again with new seq_lens and block tables, as replays
 would: every launch must record the same grid and host arguments, match the torch reference
 (contexts of 1 key, on paged-block and tile boundaries, shorter than the split count, padding
-requests of seq_len 0, padding rows) and leave the fused merge's arrival counters at zero.
+requests of seq_len 0, padding rows) and, with a fused merge, leave its arrival counters at zero.
 On the CPU the kernel runs in Triton's interpreter, at tiny shapes; the gpu-marked test captures
 real graphs at Qwen3-0.6B's attention shapes. Fresh random inputs each run; outputs and the split
 partials are poisoned (NaN) before each launch, so an unwritten or wrongly read element fails.
@@ -96,7 +96,9 @@ def test_graph_split_count_depends_only_on_the_bucket(h200_sms):
         assert len(variants) == 1, f"bucket {bucket}: the graph's launch depends on max_seq_len: {variants}"
         (splits, variant), = variants
         assert splits == launch_config.graph_num_splits(bucket, 8, 1, dev)
-        assert variant.split == (splits > 1) and variant.fused_merge == (splits > 1) and variant.splits_pad == 0
+        fused = splits > 1 and launch_config.GRAPH_SPLIT_DECODE_TUNING.fused_merge
+        assert variant.split == (splits > 1) and variant.fused_merge == fused
+        assert variant.splits_pad == (launch_config.host_next_pow2(splits) if splits > 1 and not fused else 0)
     # Outside a capture the eager policy stays: batch 1 at 384 keys does not split (its merge is
     # a second launch), at 8192 it splits by the context.
     assert backend.num_splits(bucket_meta(1, 4, 384)) == 1 and backend.num_splits(bucket_meta(1, 4, 8192)) > 16
@@ -141,13 +143,15 @@ def test_graph_split_launch_matches_reference(name, h200_sms, record_launches, p
         check(out, reference(q, cache, meta, backend.scale), 1e-4 if dtype == torch.float32 else 1e-2)
         zero = torch.tensor([s == 0 for s in lens] + [True] * pad_rows, device=out.device)
         assert (out[zero] == 0).all(), f"{lens}: padding requests and rows must be exactly zero"
-        assert not triton_attention._COUNTERS[q.device].any(), f"{lens}: a fused merge left a counter set"
+        if launch_config.GRAPH_SPLIT_DECODE_TUNING.fused_merge:
+            assert not triton_attention._COUNTERS[q.device].any(), f"{lens}: a fused merge left a counter set"
     if record_launches is None:
         return
     assert len(record_launches) == len(steps)
     assert len(set(record_launches)) == 1, "a seq_len changed the launch's grid or host arguments"
     grid, _, options = record_launches[0]
-    assert grid[2] == splits and dict(options)["FUSED_MERGE"] and dict(options)["SPLIT"]
+    assert grid[2] == splits and dict(options)["SPLIT"]
+    assert dict(options)["FUSED_MERGE"] == launch_config.GRAPH_SPLIT_DECODE_TUNING.fused_merge
 
 
 # ---------------------------------------------------------------- GPU: real graphs, real shapes
