@@ -8,10 +8,11 @@ s's tokens) then overlaps s+1's GPU work. A request that stopped at s has one wa
 dropped on resolve. Both modes share `_launch` and `_resolve`; only their order differs.
 
 Requests in rows of the persistent batch are bound to them (row_state.py), so a decode step is
-booked in bulk: placeholders appended and sampled tokens resolved for every row with numpy, and
-only the rows with an event (first token, stop token, length limit, text, logprobs) or whose row was
-released since launch take the per-request path. An input batch without rows (the benchmarks'
-per-step rebuild baseline) leaves the requests unbound and every step on the per-request path.
+booked in bulk (row_booking.py): placeholders appended and sampled tokens resolved for every row
+with numpy, and only the rows with an event (first token, stop token, length limit, text, logprobs)
+or whose row was released since launch take the per-request path. An input batch without rows
+(the benchmarks' per-step rebuild baseline) leaves the requests unbound and every step on the
+per-request path.
 """
 
 import itertools
@@ -28,11 +29,12 @@ from pcg_engine.engine.detokenizer import IncrementalDetokenizer
 from pcg_engine.engine.model_runner import ModelRunner
 from pcg_engine.engine.readback import TokenReadback
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
+from pcg_engine.engine.row_booking import resolve_rows
 from pcg_engine.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors, make_generator
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import LazyTokenizer, eos_token_ids
 from pcg_engine.errors import InvalidRequestError
-from pcg_engine.outputs import DecodeOutput, RequestOutput
+from pcg_engine.outputs import RequestOutput
 from pcg_engine.sampling_params import SamplingParams
 
 
@@ -50,6 +52,7 @@ class Inflight:
     rows: np.ndarray | None = None
     index: np.ndarray | None = None
     epoch: np.ndarray | None = None
+    version: int = -1                                 # RowState.version at launch
 
 
 @dataclass
@@ -165,6 +168,11 @@ class LLMEngine:
         ids = list(prompt_token_ids)
         if not ids:
             raise InvalidRequestError("prompt_token_ids", "is empty; a request needs at least 1 token")
+        # The common case in C: all plain ints, in range (P2's 256 prompts of ~560 tokens took
+        # 0.18 s in the per-token loop below on the CPU machine). Anything else takes the loop,
+        # which names the first bad token.
+        if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < self.vocab_size:
+            return ids
         for i, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise InvalidRequestError("prompt_token_ids", f"token {t!r} at position {i} is outside the "
@@ -245,7 +253,7 @@ class LLMEngine:
         if state is not None and rows is not None:
             index = state.append_placeholders(rows)
             return Inflight(sampled, pending, requests=inputs.sample_rows, state=state, rows=rows, index=index,
-                            epoch=state.epoch[rows])
+                            epoch=state.epoch[rows], version=state.version)
         slots = []
         for request in inputs.sample_rows:
             tokens = request.token_ids
@@ -258,9 +266,9 @@ class LLMEngine:
     def _describe_row(self, state, row: int, request: Request) -> None:
         """What the bulk booking of a freshly bound row needs to know of its request."""
         rid = request.request_id
-        state.plain[row] = self.detokenizers.get(rid) is None and rid not in self.logprobs
+        state.plain[row] = plain = self.detokenizers.get(rid) is None and rid not in self.logprobs
         state.stream[row] = not request.final_only
-        state.first_pending[row] = request.first_token_time is None
+        state.needs_host[row] = not plain or request.first_token_time is None
         state.set_stop_ids(row, request.stop_token_set)
 
     def _resolve(self, inflight: Inflight) -> list[RequestOutput]:
@@ -268,7 +276,7 @@ class LLMEngine:
         if inflight.rows is not None:
             values = self.readback.wait_array(inflight.pending)   # the one host sync of a step
             self.stats.sync_wait_s += time.perf_counter() - w0
-            return self._resolve_rows(inflight, values)
+            return resolve_rows(self, inflight, values)
         values = self.readback.wait(inflight.pending)   # the one host sync of a step
         self.stats.sync_wait_s += time.perf_counter() - w0
         lps = self._logprob_lists(inflight.pending)
@@ -310,56 +318,6 @@ class LLMEngine:
                 outputs.append(output)
         self.runner.batch.set_tokens(resolved)
         self.stats.generated_tokens += generated
-        return outputs
-
-    def _resolve_rows(self, inflight: Inflight, values: np.ndarray) -> list[RequestOutput]:
-        """_resolve for requests bound to rows: every row at once, events one by one."""
-        state, rows, index, requests = inflight.state, inflight.rows, inflight.index, inflight.requests
-        live = state.epoch[rows] == inflight.epoch        # else released since launch
-        ok = live & (state.token_ids[rows, index] == PLACEHOLDER) & (index < state.num_tokens[rows])
-        state.token_ids[rows[ok], index[ok]] = values[ok]
-        state.num_placeholders[rows[ok]] -= 1
-        generated = int(np.count_nonzero(ok))
-        event = ok & (~state.plain[rows] | state.first_pending[rows] | (index >= state.last_index[rows])
-                      | state.stop_hit(rows, values))
-        quiet = ok & ~event
-        if self.block_manager.enable_prefix_caching:
-            # A block that a placeholder kept out of the prefix cache may be publishable now.
-            bs = self.block_manager.block_size
-            for i in np.flatnonzero(quiet & (index // bs < state.num_computed[rows] // bs)).tolist():
-                self.block_manager.cache_full_blocks(requests[i])
-        stream = np.flatnonzero(quiet & state.stream[rows])
-        ends = (state.num_tokens[rows[stream]] - state.num_placeholders[rows[stream]]).tolist()
-        outputs = list(map(DecodeOutput, map(requests.__getitem__, stream.tolist()), ends, values[stream].tolist()))
-        slow = np.flatnonzero(event | ~live)
-        if not len(slow):
-            self.stats.generated_tokens += generated
-            return outputs
-        state.first_pending[rows[event]] = False
-        lps = self._logprob_lists(inflight.pending)
-        now = time.monotonic()
-        booked = []
-        for i, is_live, idx, token in zip(slow.tolist(), live[slow].tolist(), index[slow].tolist(),
-                                          values[slow].tolist()):
-            request = requests[i]
-            if not is_live:        # preempted (unbound now, resolved in its list) or finished: dropped
-                tokens = request.token_ids
-                if request.is_finished or idx >= len(tokens) or tokens[idx] != PLACEHOLDER:
-                    continue
-                request.resolve_placeholder(idx, token)
-                generated += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            rid = request.request_id
-            if lps is not None and rid in self.logprobs:
-                self.logprobs[rid].append(lps(i, token, request.sampling_params.logprobs))
-            output = self._book_tail(request, idx, token, self.detokenizers.get(rid))
-            if output is not None:
-                booked.append((i, output))
-        self.stats.generated_tokens += generated
-        if booked:             # outputs in sampled order, as the per-request path gives them
-            merged = sorted([*zip(stream.tolist(), outputs), *booked], key=lambda pair: pair[0])
-            outputs = [o for _, o in merged]
         return outputs
 
     def _book_tail(self, request: Request, index: int, token: int, detok) -> RequestOutput | None:

@@ -81,6 +81,7 @@ CASES = [
      rf"position 2.*0\.\.{VOCAB - 1}"),
     ("token-id-negative", lambda e: e.add_request([-1, 5], None), "prompt_token_ids", rf"0\.\.{VOCAB - 1}"),
     ("token-id-not-int", lambda e: e.add_request([5, 2.0], None), "prompt_token_ids", rf"0\.\.{VOCAB - 1}"),
+    ("token-id-bool", lambda e: e.add_request([5, True], None), "prompt_token_ids", rf"position 1.*0\.\.{VOCAB - 1}"),
     ("stop-token-id-outside-vocab", lambda e: e.add_request(_prompt(), {"stop_token_ids": [VOCAB]}),
      "stop_token_ids", rf"\[0, {VOCAB - 1}\]"),
     ("unknown-field", lambda e: e.add_request(_prompt(), {"temprature": 0.5}), "temprature",
