@@ -86,13 +86,24 @@ class RequestOutput:
 
 class DecodeOutput(RequestOutput):
     """The output of a request that got one token and no text this step and did not finish: the
-    engine's bulk path makes 256 of these a step at batch 256, so construction sets three fields
-    and the constant ones are class attributes."""
+    engine's bulk path makes 256 of these a step at batch 256, so construction sets three fields,
+    the constant ones are class attributes, and the one-token list is made when first read."""
 
-    __slots__ = ()
+    __slots__ = ("_new",)
     text = new_text = ""
     finished = False
     logprobs = None
 
     def __init__(self, request, end: int, token: int):
-        self._request, self._end, self.new_token_ids = request, end, [token]
+        self._request, self._end, self._new = request, end, token
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        new = self._new
+        if new.__class__ is int:
+            new = self._new = [new]
+        return new
+
+    @new_token_ids.setter
+    def new_token_ids(self, value: list[int]) -> None:
+        self._new = value

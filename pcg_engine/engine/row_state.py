@@ -43,8 +43,11 @@ class RowState:
         # Set by the engine (defaults send every token through the per-request path):
         self.plain = np.zeros(R, dtype=bool)              # no text, no logprobs: tokens booked in bulk
         self.stream = np.zeros(R, dtype=bool)             # an output per step (not final_only)
-        self.first_pending = np.zeros(R, dtype=bool)      # no token read back yet (first_token_time)
+        # Resolve on the per-request path: not plain, or no token read back yet (first_token_time).
+        self.needs_host = np.ones(R, dtype=bool)
         self.stop_ids = np.full((R, 1), NO_STOP, dtype=np.int64)   # tokens that may stop the row
+        # Per token id: a stop token of some row, now or before (a screen: stop_hit decides).
+        self.stop_any = np.zeros(1, dtype=bool)
         self.requests: list = [None] * R
 
     # ---- binding ------------------------------------------------------------------------------
@@ -61,7 +64,8 @@ class RowState:
         self.last_index[row] = request.last_index
         self.table_len[row] = 0
         self.epoch[row] += 1
-        self.plain[row] = self.stream[row] = self.first_pending[row] = False
+        self.plain[row] = self.stream[row] = False
+        self.needs_host[row] = True
         self.stop_ids[row] = NO_STOP
         self.requests[row] = request
         self.version += 1
@@ -102,6 +106,13 @@ class RowState:
             self.stop_ids = wider
         self.stop_ids[row] = NO_STOP
         self.stop_ids[row, :len(ids)] = ids
+        if ids:
+            top = max(ids)
+            if top >= len(self.stop_any):
+                wider = np.zeros(top + 1, dtype=bool)
+                wider[:len(self.stop_any)] = self.stop_any
+                self.stop_any = wider
+            self.stop_any[ids] = True
 
     # ---- one request's edits (Request's methods call these while it is bound) -------------------
     def append(self, request, token: int) -> None:

@@ -82,6 +82,18 @@ def test_bound_request_matches_unbound_twin(seed):
         _same(plain, bound)
 
 
+def test_stop_screen_covers_every_rows_stop_ids():
+    state = RowState(3, 8)
+    state.set_stop_ids(0, [5])
+    state.set_stop_ids(1, [900, 2])
+    assert np.flatnonzero(state.stop_any).tolist() == [2, 5, 900]
+    # Beyond the table: the last entry answers (a false positive at most, stop_hit decides).
+    assert state.stop_any.take(np.array([0, 2, 5, 901, 10**6]), mode="clip").tolist() == [False, True, True, True, True]
+    state.set_stop_ids(1, [])
+    assert state.stop_any[900], "a screen only ever widens"
+    assert not state.stop_hit(np.array([1]), np.array([900])).any()
+
+
 def test_stop_ids_widen_and_match():
     state = RowState(3, 8)
     state.set_stop_ids(0, [5])
@@ -129,6 +141,9 @@ def _run(engine, reqs):
                     engine.abort_request(rid)
         trace.append(sorted((o.request_id, o.token_ids, o.new_token_ids, o.finished, o.finish_reason,
                              o.stop_reason, o.text, o.logprobs) for o in engine.step()))
+        # The prefix cache too: the same blocks published by the same step (none with a placeholder).
+        trace.append(sorted(engine.block_manager._hash_to_block))
+        engine.block_manager.check_invariants()
         step += 1
         assert step < 3000
     assert_drained(engine)

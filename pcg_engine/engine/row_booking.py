@@ -1,0 +1,95 @@
+"""Booking a step's sampled tokens for requests bound to rows: every row at once, events one by one.
+
+At launch each sampling row gets a PLACEHOLDER at the end of its row (RowState.append_placeholders);
+when the step's tokens are read back, `resolve_rows` writes them over the placeholders of every row
+with a few numpy operations and makes the outputs of the rows with nothing to report but their token.
+A row takes the engine's per-request path (LLMEngine._book_tail: text, stop checks, finishing) only
+when it has an *event*: a possible stop token, its length limit, text or logprobs to produce, its
+first token (RowState.needs_host), or a row released since launch (finished, aborted, preempted).
+
+The common step, no row changed hands since launch (RowState.version unchanged), skips the
+staleness checks: every token read back then lands on its own placeholder. Stop tokens are screened
+by one lookup in RowState.stop_any (any row's stop tokens) and checked exactly only when one shows up.
+"""
+
+import time
+
+import numpy as np
+
+from pcg_engine.engine.request import PLACEHOLDER
+from pcg_engine.outputs import DecodeOutput
+
+
+def resolve_rows(engine, inflight, values: np.ndarray) -> list:
+    """LLMEngine._resolve for an Inflight of bound rows; returns the step's outputs in sampled order."""
+    state, rows, index, requests = inflight.state, inflight.rows, inflight.index, inflight.requests
+    if state.version == inflight.version:
+        live = ok = None                              # every row still holds its request
+        state.token_ids[rows, index] = values
+        state.num_placeholders[rows] -= 1
+        generated = len(rows)
+        event = state.needs_host[rows] | (index >= state.last_index[rows])
+    else:
+        live = state.epoch[rows] == inflight.epoch    # else released since launch
+        ok = live & (state.token_ids[rows, index] == PLACEHOLDER) & (index < state.num_tokens[rows])
+        state.token_ids[rows[ok], index[ok]] = values[ok]
+        state.num_placeholders[rows[ok]] -= 1
+        generated = int(np.count_nonzero(ok))
+        event = ok & (state.needs_host[rows] | (index >= state.last_index[rows]))
+    if state.stop_any.take(values, mode="clip").any():
+        event |= state.stop_hit(rows, values) if ok is None else ok & state.stop_hit(rows, values)
+    any_event = event.any()
+    quiet = ~event if ok is None else ok & ~event
+    blocks = engine.block_manager
+    if blocks.enable_prefix_caching and engine.async_scheduling:
+        # A block that a placeholder kept out of the prefix cache may be publishable now. (Never
+        # with sync scheduling: a step's placeholder then sits at its row's computed count.)
+        bs = blocks.block_size
+        computed = state.num_computed[rows]
+        publish = np.flatnonzero(quiet & (index // bs < computed // bs))
+        if len(publish):
+            at = rows[publish]
+            blocks.cache_full_blocks_rows(list(map(requests.__getitem__, publish.tolist())), state.token_ids, at,
+                                          np.minimum(computed[publish], state.num_tokens[at]) // bs)
+    # A quiet row's later tokens are all placeholders: its output ends at the token just resolved.
+    stream = quiet & state.stream[rows]
+    if not any_event and live is None and stream.all():
+        outputs = list(map(DecodeOutput, requests, (index + 1).tolist(), values.tolist()))
+    else:
+        stream = np.flatnonzero(stream)
+        outputs = list(map(DecodeOutput, map(requests.__getitem__, stream.tolist()), (index[stream] + 1).tolist(),
+                           values[stream].tolist()))
+    slow = np.flatnonzero(event) if live is None else np.flatnonzero(event | ~live)
+    if not len(slow):
+        engine.stats.generated_tokens += generated
+        return outputs
+    if any_event:
+        at = rows[event]
+        state.needs_host[at] = ~state.plain[at]       # the first token is seen now
+    lps = engine._logprob_lists(inflight.pending)
+    now = time.monotonic()
+    booked = []
+    all_live = live is None
+    for i, is_live, idx, token in zip(slow.tolist(), live[slow].tolist() if not all_live else [True] * len(slow),
+                                      index[slow].tolist(), values[slow].tolist()):
+        request = requests[i]
+        if not is_live:        # preempted (unbound now, resolved in its list) or finished: dropped
+            tokens = request.token_ids
+            if request.is_finished or idx >= len(tokens) or tokens[idx] != PLACEHOLDER:
+                continue
+            request.resolve_placeholder(idx, token)
+            generated += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        rid = request.request_id
+        if lps is not None and rid in engine.logprobs:
+            engine.logprobs[rid].append(lps(i, token, request.sampling_params.logprobs))
+        output = engine._book_tail(request, idx, token, engine.detokenizers.get(rid))
+        if output is not None:
+            booked.append((i, output))
+    engine.stats.generated_tokens += generated
+    if booked:             # outputs in sampled order, as the per-request path gives them
+        order = np.flatnonzero(stream) if stream.dtype == bool else stream
+        merged = sorted([*zip(order.tolist(), outputs), *booked], key=lambda pair: pair[0])
+        outputs = [o for _, o in merged]
+    return outputs
