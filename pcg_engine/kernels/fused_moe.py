@@ -22,6 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pcg_engine.kernels import pdl
+from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+
 
 def _align_shapes(total: int, num_experts: int, block_m: int) -> int:
     # At most min(E, N*k) experts are non-empty, each adding fewer than block_m padding rows.
@@ -52,8 +55,12 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _expert_histogram_kernel(ids_ptr, hist_ptr, total, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+def _expert_histogram_kernel(ids_ptr, hist_ptr, total, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+                             PDL: tl.constexpr):
     """hist[c, e] = how many of chunk c's assignments go to expert e."""
+    if PDL:  # kernels/pdl.py: the routing comes from the kernel before
+        gdc_wait()
+        gdc_launch_dependents()
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < total, other=-1).to(tl.int32)
@@ -64,7 +71,8 @@ def _expert_histogram_kernel(ids_ptr, hist_ptr, total, CHUNK: tl.constexpr, E_PA
 @triton.jit
 def _align_scatter_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                           total, num_experts, num_chunks, m_max, ONE_CHUNK: tl.constexpr,
-                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, C_PAD: tl.constexpr):
+                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, C_PAD: tl.constexpr,
+                          PDL: tl.constexpr):
     """Program c places chunk c's assignments; program 0 also writes the block table and padding.
 
     From the whole histogram every program derives each expert's padded start and how many of
@@ -73,6 +81,9 @@ def _align_scatter_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_p
     no program waits for another. ONE_CHUNK (a decode step): the histogram is the one-hot's own
     column sums and the histogram launch is skipped.
     """
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+        gdc_launch_dependents()
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -146,11 +157,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     num_warps = 8 if chunk * e_pad >= 8192 else 4
     if num_chunks > 1:
-        _expert_histogram_kernel[(num_chunks,)](ids, hist, total, CHUNK=chunk, E_PAD=e_pad, num_warps=num_warps)
+        _expert_histogram_kernel[(num_chunks,)](ids, hist, total, CHUNK=chunk, E_PAD=e_pad, num_warps=num_warps,
+                                                **pdl.launch_kwargs(device))
     _align_scatter_kernel[(num_chunks,)](ids, hist, sorted_ids, block_expert, num_padded,
                                          total, num_experts, num_chunks, m_max, num_chunks == 1,
                                          BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, C_PAD=c_pad,
-                                         num_warps=num_warps)
+                                         num_warps=num_warps, **pdl.launch_kwargs(device))
     return sorted_ids, block_expert, num_padded
 
 
@@ -159,13 +171,17 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_
                          N, K, num_valid, top_k, stride_am, stride_we, stride_wn, stride_cm,
                          GATED: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_SCALE: tl.constexpr,
                          EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
     """C[a] = A[src(a)] @ W[expert].T for this program's BLOCK_M assignments a and BLOCK_N columns.
 
     GATED: W holds 2N rows (gate then up); C gets silu(gate) * up, N wide.
     A_PER_TOKEN: A has a row per token (src = a // top_k), else a row per assignment.
     MUL_SCALE: scale row a by scale[a] (the router weight) before the single rounding.
     """
+    if PDL:  # kernels/pdl.py: the alignment, A and the router weights come from earlier kernels
+        gdc_wait()
+        gdc_launch_dependents()
     # Axis 0 is the fastest-launched: neighbouring programs are consecutive row blocks of the
     # same expert and N tile, so a weight tile is fetched from HBM once and then hit in L2.
     pid_m = tl.program_id(0)
@@ -261,7 +277,7 @@ def _grouped_gemm(a, w, c, align, scale, top_k, gated, per_token, cfg: MoEConfig
         # fp32 stays exact (tf32 would lose 13 mantissa bits); bf16/fp16 dots ignore the setting.
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(a.device))
 
 
 def _check(x, w13, w2, topk_weights, topk_ids):
