@@ -74,6 +74,8 @@ def test_linear_layers_take_the_kernel_only_for_tuned_shapes(monkeypatch):
     from pcg_engine.models.layers import Linear, RMSNorm
 
     model = torch.nn.Sequential(Linear(64, 32), Linear(32, 64), RMSNorm(64, 1e-6))
+    for m in model[:2]:                 # layers.Linear skips the random init (the loader fills it)
+        torch.nn.init.normal_(m.weight)
     monkeypatch.setattr(sg, "TUNED", {(1, 32, 64): SkinnyConfig(16, 32, True)})
     set_kernels(model, True)
     assert [m.use_kernels for m in model] == [True, False, True]
