@@ -62,6 +62,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}        # chained hashes of each request's known full blocks
+        self._blocks_view = None                          # (token array, its blocks view): cache_full_blocks_rows
 
     # Sizes ---------------------------------------------------------------------------------------
 
@@ -173,16 +174,30 @@ class BlockManager:
             table.append(self._pop_free())
         return True
 
-    def grow(self, request_ids: list[str], counts: list[int]) -> None:
+    def grow(self, request_ids: list[str], counts: list[int]) -> list[int]:
         """Append counts[i] fresh blocks to request_ids[i]'s table, for requests that hold blocks
-        already (the scheduler's decode fast path, which has checked that enough are free)."""
-        if sum(counts) > self.num_free_blocks:
+        already (the scheduler's decode fast path, which has checked that enough are free).
+        Returns the new block ids in order."""
+        total = sum(counts)
+        if total > self.num_free_blocks:
             raise RuntimeError("grow: not enough free blocks")
-        tables, pop = self._tables, self._pop_free
+        tables, plain = self._tables, self._free_plain
+        if total <= len(plain) and counts.count(1) == len(counts):
+            # One block each from the plain free list (the decode step's case): nothing to evict.
+            new = [plain.popleft() for _ in range(total)]
+            blocks = self.blocks
+            for rid, block_id in zip(request_ids, new):
+                tables[rid].append(block_id)
+                blocks[block_id].ref_count = 1
+            return new
+        new, pop = [], self._pop_free
         for rid, k in zip(request_ids, counts):
             table = tables[rid]
             for _ in range(k):
-                table.append(pop())
+                block_id = pop()
+                table.append(block_id)
+                new.append(block_id)
+        return new
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -268,8 +283,8 @@ class BlockManager:
         bs, hashes_of, tables, blocks = self.block_size, self._hashes, self._tables, self.blocks
         hash_fn, hash_to_block = self.hash_fn, self._hash_to_block
         full = num_full.tolist()
-        last = np.maximum(num_full - 1, 0)
-        chunks = token_ids[rows[:, None], last[:, None] * bs + np.arange(bs)]
+        # Each request's last full block (index -1, any block, where it has none: not read then).
+        chunks = self._blocks_of(token_ids)[rows, num_full - 1]
         held = (chunks == PLACEHOLDER).any(axis=1).tolist()
         lists = chunks.tolist()
         fast = hash_fn is hash_block and chunks.dtype == np.int64     # array("q")'s bytes
@@ -290,9 +305,7 @@ class BlockManager:
                 continue                                 # published once the placeholder is resolved
             parent = hashes[-1] if hashes else None
             if fast:
-                h = sha256(parent or b"")
-                h.update(data[j * width:(j + 1) * width])
-                h = h.digest()
+                h = sha256((parent or b"") + data[j * width:(j + 1) * width]).digest()
             else:
                 h = hash_fn(parent, lists[j])
             hashes.append(h)
@@ -301,6 +314,17 @@ class BlockManager:
             if block.hash is None and h not in hash_to_block:
                 block.hash, block.parent_hash, block.tokens = h, parent, tuple(lists[j])
                 hash_to_block[h] = block.block_id
+
+    def _blocks_of(self, token_ids: np.ndarray) -> np.ndarray:
+        """token_ids [R, W] seen as [R, W // block_size, block_size] blocks (a view, kept per array)."""
+        cached = self._blocks_view
+        if cached is None or cached[0] is not token_ids:
+            bs = self.block_size
+            r, w = token_ids.strides
+            view = np.lib.stride_tricks.as_strided(token_ids, (token_ids.shape[0], token_ids.shape[1] // bs, bs),
+                                                   (r, bs * w, w), writeable=False)
+            cached = self._blocks_view = (token_ids, view)
+        return cached[1]
 
     # Addressing ----------------------------------------------------------------------------------
 

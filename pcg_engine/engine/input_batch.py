@@ -39,6 +39,7 @@ class StepInputs:
     num_real_reqs: int
     sample_rows: list                 # requests that sample this step, in logits order
     sample_row_ids: np.ndarray | None = None   # their rows (InputBatch only)
+    logits_in_order: bool = False     # logits_indices is 0..num_real_reqs-1 (an all-decode step)
 
 
 class InputBatch:
@@ -132,7 +133,10 @@ class InputBatch:
             at = rows[grown]
             have = self.num_blocks[at]
             if np.array_equal(self.state.table_len[at], have + 1):    # one block each: one write
-                self.block_table[at, have] = [block_table(scheduled[i][0].request_id)[-1] for i in grown.tolist()]
+                new = getattr(scheduled, "new_blocks", None)
+                if new is None:
+                    new = [block_table(scheduled[i][0].request_id)[-1] for i in grown.tolist()]
+                self.block_table[at, have] = new
                 self.num_blocks[at] = have + 1
                 return
             for i in grown.tolist():
@@ -299,7 +303,7 @@ class InputBatch:
             slot_mapping=views.slot_mapping, num_reqs=Rp, num_tokens=Tp, max_query_len=1, max_seq_len=max_seq_len,
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=torch.from_numpy(st.seq_lens[:Rp].copy()))
         return StepInputs(views.input_ids, views.positions, meta, views.logits_indices, R, R, scheduled.requests,
-                          rows)
+                          rows, True)
 
     def _check_size(self, Tp: int, Rp: int) -> None:
         if Tp > self.max_num_tokens or Rp > self.max_num_seqs:

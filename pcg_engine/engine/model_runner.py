@@ -154,7 +154,11 @@ class ModelRunner:
     def pick_padding(self, scheduled) -> tuple[int | None, int | None, str]:
         """(pad_tokens_to, pad_reqs_to, path) for this step under the current mode."""
         R = len(scheduled)
-        T = sum(n for _, n in scheduled)
+        if getattr(scheduled, "seq_lens", None) is not None:     # an all-decode ScheduledBatch
+            T = R
+        else:
+            num_new = getattr(scheduled, "num_new", None)
+            T = int(num_new.sum()) if num_new is not None else sum(n for _, n in scheduled)
         if self.full_graphs is not None and T == R:
             size = self.full_graphs.bucket_for(R)
             if size is not None:
@@ -176,7 +180,9 @@ class ModelRunner:
         else:
             with set_forward_context(self.context(inputs)):
                 hidden = self.forward_fn(inputs.input_ids, inputs.positions)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        # An all-decode step samples its first rows in order: a view, no gather kernel.
+        rows = hidden[:inputs.num_real_reqs] if inputs.logits_in_order else hidden.index_select(0, inputs.logits_indices)
+        logits = self.model.compute_logits(rows)
         return logits, inputs
 
 

@@ -55,10 +55,11 @@ class SchedulerConfig:
 class ScheduledBatch(list):
     """[(request, new tokens)] in batch order; from the decode fast path also numpy `rows` and
     `num_new` per entry and the `requests` (all of which sample), each row's sequence length after
-    the step (`seq_lens`: set only for an all-decode step) and the entries whose block table grew
-    this step (`grown`). None where not known."""
+    the step (`seq_lens`: set only for an all-decode step), the entries whose block table grew
+    this step (`grown`) and, when each grew by one block, those blocks (`new_blocks`). None where
+    not known."""
 
-    rows = num_new = requests = seq_lens = grown = None
+    rows = num_new = requests = seq_lens = grown = new_blocks = None
 
 
 @dataclass
@@ -234,11 +235,13 @@ class Scheduler:
             if int(counts.sum()) > blocks.num_free_blocks:
                 return None                              # someone must be preempted
             # In running order, as the general loop would allocate them.
-            blocks.grow([requests[i].request_id for i in grow.tolist()], counts.tolist())
+            new_blocks = blocks.grow([requests[i].request_id for i in grow.tolist()], counts.tolist())
             state.table_len[rows[grow]] = table_len[grow] + counts
         scheduled = ScheduledBatch(pairs if pairs is not None else zip(requests, repeat(1)))
         scheduled.rows, scheduled.num_new, scheduled.requests = rows, self._ones(count), list(requests)
         scheduled.seq_lens, scheduled.grown = num_tokens, grow
+        if len(grow) and len(new_blocks) == len(grow):
+            scheduled.new_blocks = new_blocks            # one each, in `grown` order
         out.scheduled = scheduled
         out.samples = [True] * count
         out.num_batched_tokens = count
@@ -313,7 +316,7 @@ class Scheduler:
             out.admitted.append(request)
             # The fast path's arrays no longer cover the batch.
             sb = out.scheduled
-            sb.rows = sb.num_new = sb.requests = sb.seq_lens = sb.grown = None
+            sb.rows = sb.num_new = sb.requests = sb.seq_lens = sb.grown = sb.new_blocks = None
             self._schedule_one(out, request, num_new)
             budget -= num_new
         return out

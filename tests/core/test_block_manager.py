@@ -59,25 +59,36 @@ def test_allocate_grows_by_appending_and_slots():
     bm.check_invariants()
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(6))
 def test_grow_takes_the_blocks_allocate_would(seed):
     """grow (the scheduler's decode fast path) appends the same blocks, in the same order, as one
-    allocate per request would; it refuses to overdraw."""
+    allocate per request would, and returns them; it refuses to overdraw. One block each (the
+    decode step's case) or any counts, from plain or evicted cached blocks."""
     import random
     rng = random.Random(seed)
     managers = [BlockManager(40, BS), BlockManager(40, BS)]
     prompts = [[rng.randint(3, 99) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+    if seed % 3 == 2:            # leave only cached blocks free: growing evicts them
+        for bm in managers:
+            filler = req("filler", list(range(4 * (bm.num_free_blocks - 12))))
+            assert bm.allocate(filler, filler.num_tokens)
+            filler.num_computed_tokens = filler.num_tokens
+            bm.cache_full_blocks(filler)
+            bm.free(filler)
     reqs = [[req(f"r{i}", p) for i, p in enumerate(prompts)] for _ in managers]
     for bm, rs in zip(managers, reqs):
         for r in rs:
             assert bm.allocate(r, r.num_tokens)
             r.num_computed_tokens = r.num_tokens
-    counts = [rng.randint(0, 2) for _ in range(5)]
+    counts = [1] * 5 if seed % 2 else [rng.randint(0, 2) for _ in range(5)]
     a, b = managers
+    before = {rid: list(t) for rid, t in a._tables.items()}
     for r, k in zip(reqs[0], counts):
         assert a.allocate(r, (len(a.block_table(r.request_id)) + k) * BS - r.num_computed_tokens)
-    b.grow([r.request_id for r in reqs[1]], counts)
+    new = b.grow([r.request_id for r in reqs[1]], counts)
     assert a._tables == b._tables and list(a._free_plain) == list(b._free_plain)
+    assert list(a._free_cached) == list(b._free_cached) and a._hash_to_block == b._hash_to_block
+    assert new == [x for r in reqs[0] for x in a.block_table(r.request_id)[len(before[r.request_id]):]]
     b.check_invariants()
     with pytest.raises(RuntimeError, match="not enough"):
         b.grow(["r0"], [b.num_free_blocks + 1])
