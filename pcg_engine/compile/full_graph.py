@@ -22,6 +22,7 @@ import torch
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.compile.cuda_graph import GraphPool, capture
+from pcg_engine.kernels import pdl
 
 
 def default_decode_buckets(max_num_seqs: int) -> list[int]:
@@ -87,7 +88,8 @@ class FullDecodeGraphs:
             return 0.0
         t0 = time.perf_counter()
         task = progress.add_task("full decode graphs", total=len(self.buckets)) if progress is not None else None
-        with self.runner.backend.capturing():
+        # PDL (kernels/pdl.py) in the whole-step graphs only: their warm-up runs compile its variants.
+        with self.runner.backend.capturing(), pdl.scope():
             for bucket in sorted(self.buckets, reverse=True):
                 self._dummy_batch(bucket)
                 graph, out = capture(self.pool, self._forward, bucket, warmups=self.warmups)

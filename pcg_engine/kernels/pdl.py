@@ -17,22 +17,27 @@ other kernels wait first thing and gain only the launch. The wait is executed by
 before any early exit, so a kernel never completes before its predecessor has, and the ordering is
 transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
 
+Where: only inside `scope()`, which the full decode graphs' capture enters (compile/full_graph.py).
 Measured on the H200 (session 4, call 2, P1 batch-1 decode, with graph split-KV): Qwen3-0.6B
-full_decode 1.048 -> 0.965 ms a token, full_and_piecewise 1.049 -> 0.958; the CUDA-graph
-equivalence tests pass with it. On by default; off in Triton's CPU interpreter (the instructions
-are inline PTX), below sm_90, and with PCG_PDL=0 (an A/B switch for benchmarks, read at import). Kernels take a PDL constexpr and their
-launchers pass `**launch_kwargs(device)`, so both halves always agree.
+full_decode 1.048 -> 0.965 ms a token, full_and_piecewise 1.049 -> 0.958, and the CUDA-graph
+equivalence tests pass with it. With PDL in every launch (call 3), the host-bound modes got slower
+instead: piecewise 2.38 -> 3.63 ms (29 piece-graph launches and 28 eager attention launches a
+step), eager 11.7 -> 13.0, so launches outside the one whole-step graph stay plain.
+Off in Triton's CPU interpreter (the instructions are inline PTX), below sm_90, and with PCG_PDL=0
+(an A/B switch for benchmarks, read at import). Kernels take a PDL constexpr and their launchers
+pass `**launch_kwargs(device)`, so both halves always agree.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 
 import torch
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["enabled", "launch_kwargs", "gdc_wait", "gdc_launch_dependents"]
+__all__ = ["enabled", "launch_kwargs", "scope", "gdc_wait", "gdc_launch_dependents"]
 
 _WANTED = os.environ.get("PCG_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -42,9 +47,23 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+_depth = 0   # scope() nesting: the engine is single-threaded, like the graphs it captures
+
+
+@contextmanager
+def scope():
+    """Launches inside use PDL (where it is wanted and the GPU has it)."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether kernels launched on `device` use PDL."""
-    if not _WANTED or device.type != "cuda":
+    """Whether kernels launched on `device` now use PDL."""
+    if not _WANTED or not _depth or device.type != "cuda":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

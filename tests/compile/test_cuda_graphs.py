@@ -122,8 +122,10 @@ def test_garbage_in_padding_rows_changes_no_real_output(gpu_runners, mode):
 
 
 def test_debug_check_catches_moved_inputs(gpu_runners):
-    runner = gpu_runners("dense", "piecewise", cudagraph_buckets=BUCKETS)
+    # A runner of its own (no other test steps it): its bucket-8 graphs are as captured.
+    runner = gpu_runners("dense", "piecewise", cudagraph_buckets=[2, 8])
     pool = runner.graph_pool
+    assert pool.enabled and not pool.passthrough and all((i, 8) in pool.captures for i in range(runner.forward_fn.stats.pieces))
     ids = torch.zeros(8, dtype=torch.long, device="cuda")    # not the static buffer
     from pcg_engine.attention.context import ForwardContext, set_forward_context
     pool.debug = True

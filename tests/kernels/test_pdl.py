@@ -9,8 +9,21 @@ from pcg_engine.kernels import pdl
 
 def test_off_on_cpu_whatever_the_switch(monkeypatch):
     monkeypatch.setattr(pdl, "_WANTED", True)
-    assert not pdl.enabled(torch.device("cpu"))
-    assert pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False}
+    with pdl.scope():
+        assert not pdl.enabled(torch.device("cpu"))
+        assert pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False}
+
+
+def test_only_inside_a_scope(monkeypatch):
+    monkeypatch.setattr(pdl, "_WANTED", True)
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    assert not pdl.enabled(cuda)
+    with pdl.scope():
+        with pdl.scope():
+            assert pdl.enabled(cuda) and pdl.launch_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
+        assert pdl.enabled(cuda)
+    assert not pdl.enabled(cuda)
 
 
 def _decode_layer_chain(x, residual, w):
@@ -49,6 +62,7 @@ def test_gpu_pdl_graph_replays_equal_plain_launches(monkeypatch):
     outs = {}
     for on in (False, True):
         monkeypatch.setattr(pdl, "_WANTED", on)
+        monkeypatch.setattr(pdl, "_depth", 1)   # as inside pdl.scope()
         assert pdl.enabled(dev) == on
         w["cache"] = torch.zeros(2, 4, 16, 8, 128, device=dev, dtype=bf)
         x, residual = torch.zeros(1, 1024, device=dev, dtype=bf), torch.zeros(1, 1024, device=dev, dtype=bf)
