@@ -26,6 +26,8 @@ from pcg_engine.engine.request import PLACEHOLDER
 from pcg_engine.engine.row_state import RowState
 from pcg_engine.engine.step_buffers import StepBuffers
 
+_UNKNOWN = object()     # block-table edits since the last step that were not recorded one by one
+
 
 @dataclass
 class StepInputs:
@@ -71,11 +73,17 @@ class InputBatch:
         self.placeholder_index = torch.zeros(2 * T, dtype=torch.long, device=device)
         self._ph_staging = [torch.zeros(2 * T, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._arange = np.arange(max(T, R) + 1, dtype=np.int64)
-        # What the device block table holds: the rows of `_table_rows` in batch order, padded to the
-        # key's Rp, at the key's RowState version; per batch position, the columns written.
+        # What the device block table holds: the host table of the rows of `_table_rows` in batch
+        # order, padded to the key's Rp, at the key's RowState version, but for the appends since
+        # the last step: None (none), (batch positions, columns, block ids) from sync_rows, or
+        # _UNKNOWN (anything else: the next step sends the table whole).
         self._table_rows: np.ndarray | None = None
         self._table_key = None
-        self._table_cols = np.zeros(R, dtype=np.int64)
+        self._appended = None
+        # Flat offsets of the rows last handed in (rows * row width of the token and block arrays).
+        self._flat_rows = (None, None, None)
+        pow2 = block_size & (block_size - 1) == 0
+        self._block_shift = block_size.bit_length() - 1 if pow2 else None
         # The rows that sampled in the last prepared step, in logits order (sample_index holds it).
         self._sampled_rows: np.ndarray | None = None
 
@@ -104,6 +112,7 @@ class InputBatch:
         nb = int(self.num_blocks[row])
         if len(block_ids) > nb:
             self.block_table[row, nb:len(block_ids)] = block_ids[nb:]
+            self._appended = _UNKNOWN
         elif len(block_ids) < nb:  # blocks released (preemption): the row starts over
             self.block_table[row, :len(block_ids)] = block_ids
             self._table_rows = None            # the device copy holds blocks no longer the row's
@@ -138,6 +147,8 @@ class InputBatch:
                     new = [block_table(scheduled[i][0].request_id)[-1] for i in grown.tolist()]
                 self.block_table[at, have] = new
                 self.num_blocks[at] = have + 1
+                # For the next prepare: the same appends on the device, if it keeps the order.
+                self._appended = (grown, have, new) if self._appended is None else _UNKNOWN
                 return
             for i in grown.tolist():
                 request = scheduled[i][0]
@@ -258,11 +269,18 @@ class InputBatch:
         R, bs, arange = len(rows), self.block_size, self._arange
         i, st = self.buffers.next_staging()
         positions = np.subtract(seq_lens, 1, out=st.positions[:R])
-        input_ids = self.token_ids[rows, positions]
+        flat_rows, token_base, table_base = self._flat_rows
+        if flat_rows is not rows:          # the scheduler hands over the same array while nothing changes
+            token_base, table_base = rows * self.token_ids.shape[1], rows * self.max_blocks
+            self._flat_rows = (rows, token_base, table_base)
+        input_ids = self.token_ids.take(token_base + positions)
         np.maximum(input_ids, 0, out=st.input_ids[:R])    # placeholders are filled on the device below
-        block, offset = np.divmod(positions, bs)
+        if self._block_shift is not None:
+            block, offset = positions >> self._block_shift, positions & (bs - 1)
+        else:
+            block, offset = np.divmod(positions, bs)
         slots = st.slot_mapping[:R]
-        np.multiply(self.block_table[rows, block], bs, out=slots, dtype=np.int64)
+        np.multiply(self.block_table.take(table_base + block), bs, out=slots, dtype=np.int64)
         slots += offset
         st.seq_lens[:R] = seq_lens
         views = self.buffers.views(Tp, Rp, R)
@@ -313,28 +331,27 @@ class InputBatch:
         """Stage the step's block table: (True, 0) when rows [:Rp] must be sent whole; (False, k)
         when the device holds it but for k appended blocks, staged as (flat index, block id)."""
         key = (R, Rp, self.state.version)
-        prev = self._table_rows
-        if prev is not None and self._table_key == key and (rows is prev or np.array_equal(rows, prev)):
-            cols = self._table_cols[:R]
-            need = self.num_blocks[rows] - cols
-            if not need.any():
+        prev, appended = self._table_rows, self._appended
+        self._appended = None
+        if (prev is not None and self._table_key == key and appended is not _UNKNOWN
+                and (rows is prev or np.array_equal(rows, prev))):
+            self._table_rows = rows
+            if appended is None:
                 return False, 0
-            grown = np.flatnonzero(need)
-            if np.all(need[grown] == 1):
-                at = cols[grown]
-                k = len(grown)
-                st.table_index[:k] = grown * self.max_blocks + at
-                st.table_value[:k] = self.block_table[rows[grown], at]
-                cols[grown] = at + 1
-                self._table_rows = rows
-                return False, k
-        used = min(used, self.max_blocks)
+            at, cols, ids = appended           # batch positions (the device's rows), columns, ids
+            k = len(at)
+            index = st.table_index[:k]
+            np.multiply(at, self.max_blocks, out=index)
+            index += cols
+            st.table_value[:k] = ids
+            return False, k
         # Only the columns in use: attention never reads a row past its seq_len's blocks, so the
-        # stale columns beyond (left from earlier steps) are never seen.
+        # stale columns beyond (left from earlier steps) are never seen. Every block a row holds
+        # goes, so that later appends find the columns before them on the device.
+        used = min(max(used, int(self.num_blocks[rows].max()) if R else 0), self.max_blocks)
         bt = st.block_table
         bt[:R, :used] = self.block_table[rows, :used]
         bt[R:Rp] = 0
-        np.minimum(self.num_blocks[rows], used, out=self._table_cols[:R])
         self._table_rows, self._table_key = rows, key
         return True, 0
 

@@ -59,7 +59,7 @@ def resolve_rows(engine, inflight, values: np.ndarray) -> list:
         stream = np.flatnonzero(stream)
         outputs = list(map(DecodeOutput, map(requests.__getitem__, stream.tolist()), (index[stream] + 1).tolist(),
                            values[stream].tolist()))
-    slow = np.flatnonzero(event) if live is None else np.flatnonzero(event | ~live)
+    slow = event.nonzero()[0] if live is None else (event | ~live).nonzero()[0]
     if not len(slow):
         engine.stats.generated_tokens += generated
         return outputs

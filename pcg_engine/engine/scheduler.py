@@ -214,7 +214,7 @@ class Scheduler:
         if rows is None:
             return None
         num_tokens = state.num_tokens[rows]
-        if not np.array_equal(num_tokens, state.num_computed[rows] + 1):
+        if not (num_tokens - state.num_computed[rows] == 1).all():
             return None                                  # a prefill chunk (or nothing to compute)
         requests = running
         over = num_tokens > state.last_index[rows]
@@ -229,7 +229,7 @@ class Scheduler:
         blocks = self.block_manager
         bs = blocks.block_size
         table_len = state.table_len[rows]
-        grow = np.flatnonzero(num_tokens > table_len * bs)
+        grow = (num_tokens > table_len * bs).nonzero()[0]
         if len(grow):
             counts = (num_tokens[grow] + (bs - 1)) // bs - table_len[grow]
             if int(counts.sum()) > blocks.num_free_blocks:
@@ -341,7 +341,7 @@ class Scheduler:
                 after = before + scheduled.num_new
                 filled = np.flatnonzero(before // bs != after // bs)
             elif self.block_manager.enable_prefix_caching:
-                filled = np.flatnonzero(after % bs == 0)
+                filled = (after % bs == 0).nonzero()[0]
             state.num_computed[rows] = after
             if self.block_manager.enable_prefix_caching and len(filled):
                 # A block ending in a placeholder is published when that token is resolved

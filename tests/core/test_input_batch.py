@@ -294,7 +294,7 @@ class DecodeWorkload(Workload):
     def __init__(self, seed, async_mode):
         super().__init__(seed, async_mode)
         self.rows = None          # the last decode step's rows array, reused while unchanged
-        self.decode_steps = 0
+        self.decode_steps = self.appends = 0
 
     def step(self, pad):
         rng = self.rng
@@ -327,11 +327,23 @@ class DecodeWorkload(Workload):
             scheduled.num_new = np.ones(len(todo), np.int64)
             scheduled.seq_lens = np.array([r.num_tokens for r in todo], dtype=np.int64)
             self.decode_steps += 1
-        for r, n in scheduled:
+        grown = []
+        for i, (r, n) in enumerate(scheduled):
             table = self.tables[r.request_id]
+            before = len(table)
             while len(table) * BS < r.num_computed_tokens + n:
                 table.append(self.free_blocks.pop())
-            self.batch.update(r, table)
+            if isinstance(scheduled, ScheduledBatch) and len(table) == before + 1 and rng.random() < 0.9:
+                grown.append(i)      # as the scheduler's fast path grows it: told to sync_rows
+                self.batch.state.table_len[self.batch.row_of[r.request_id]] += 1
+            else:
+                self.batch.update(r, table)
+        if isinstance(scheduled, ScheduledBatch):
+            scheduled.grown = np.array(grown, dtype=np.int64)
+            if grown and rng.random() < 0.7:
+                scheduled.new_blocks = [self.tables[scheduled[i][0].request_id][-1] for i in grown]
+            self.batch.sync_rows(scheduled, lambda rid: self.tables[rid])
+            self.appends += len(grown)
         pad_t = pad_r = None
         if pad and isinstance(scheduled, ScheduledBatch) and rng.random() < 0.7:
             pad_r = min(MAX_SEQS, len(scheduled) + rng.choice([0, 0, 1, 3]))
@@ -377,7 +389,7 @@ def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode):
         before = w.batch._table_rows
         w.step(pad)
         appended += before is not None and w.batch._table_rows is before
-    assert w.decode_steps > 80
+    assert w.decode_steps > 80 and w.appends > 20
     assert appended > 40, "most decode steps should keep the device block table"
 
 
