@@ -141,7 +141,7 @@ class InputBatch:
                 return
             at = rows[grown]
             have = self.num_blocks[at]
-            if np.array_equal(self.state.table_len[at], have + 1):    # one block each: one write
+            if (self.state.table_len[at] - have == 1).all():    # one block each: one write
                 new = getattr(scheduled, "new_blocks", None)
                 if new is None:
                     new = [block_table(scheduled[i][0].request_id)[-1] for i in grown.tolist()]
