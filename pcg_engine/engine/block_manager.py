@@ -288,31 +288,33 @@ class BlockManager:
         held = (chunks == PLACEHOLDER).any(axis=1).tolist()
         lists = chunks.tolist()
         fast = hash_fn is hash_block and chunks.dtype == np.int64     # array("q")'s bytes
-        data = chunks.tobytes() if fast else None
+        data = memoryview(chunks.tobytes()) if fast else None
         width = bs * chunks.itemsize
-        for j, request in enumerate(requests):
+        at = 0
+        for request, n, is_held, tokens in zip(requests, full, held, lists):
+            at += width
             rid = request.request_id
             hashes = hashes_of.get(rid)
             if hashes is None:
                 continue
-            n = full[j]
             table = tables[rid]
             if len(hashes) != n - 1 or n > len(table):
                 if len(hashes) < min(n, len(table)):
                     self.cache_full_blocks(request)      # several blocks wait: the general path
                 continue
-            if held[j]:
+            if is_held:
                 continue                                 # published once the placeholder is resolved
-            parent = hashes[-1] if hashes else None
-            if fast:
-                h = sha256((parent or b"") + data[j * width:(j + 1) * width]).digest()
+            if hashes:
+                parent = hashes[-1]
+                h = sha256(parent + data[at - width:at]).digest() if fast else hash_fn(parent, tokens)
             else:
-                h = hash_fn(parent, lists[j])
+                parent = None
+                h = sha256(data[at - width:at]).digest() if fast else hash_fn(None, tokens)
             hashes.append(h)
             block = blocks[table[n - 1]]
             # Same content computed twice (or a collision): keep the first copy, leave this one private.
             if block.hash is None and h not in hash_to_block:
-                block.hash, block.parent_hash, block.tokens = h, parent, tuple(lists[j])
+                block.hash, block.parent_hash, block.tokens = h, parent, tuple(tokens)
                 hash_to_block[h] = block.block_id
 
     def _blocks_of(self, token_ids: np.ndarray) -> np.ndarray:

@@ -7,8 +7,9 @@ overlap would be lost (seen on the H200 profile: the async timeline had the sync
 So the copy is enqueued right after step s's sampling, into pinned host memory, with an event
 behind it; reading back waits on that event alone.
 
-Two pinned buffers are used alternately: step s+1's copy must not overwrite the buffer that step
-s's read-back has not consumed yet, and at most two steps are in flight.
+Two pinned buffers (and two events) are used alternately: step s+1's copy must not overwrite the
+buffer that step s's read-back has not consumed yet, and at most two steps are in flight. Their
+views per row count are kept, so a step slices nothing.
 """
 
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class TokenReadback:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self._buffers = [torch.empty(max_rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)]
+            self._views: list[dict] = [{}, {}]
             self._flip = 0
 
     def start(self, sampled) -> PendingTokens:
@@ -41,14 +44,21 @@ class TokenReadback:
         if not self.cuda:
             return PendingTokens(sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
         n = sampled.token_ids.shape[0]
-        buf = self._buffers[self._flip][:n]
+        i = self._flip
         self._flip ^= 1
+        buf = self._views[i].get(n)
+        if buf is None:
+            with torch.inference_mode(False):    # usable in and out of inference mode
+                buf = self._views[i][n] = self._buffers[i][:n]
         buf.copy_(sampled.token_ids, non_blocking=True)
 
         def host(t):   # rare (logprobs asked): a fresh pinned tensor, same ordering guarantee
             return None if t is None else t.to("cpu", non_blocking=True)
-        pending = PendingTokens(buf, host(sampled.logprobs), host(sampled.top_ids), host(sampled.top_logprobs),
-                                torch.cuda.Event())
+        if sampled.logprobs is None and sampled.top_ids is None and sampled.top_logprobs is None:
+            pending = PendingTokens(buf, event=self._events[i])
+        else:
+            pending = PendingTokens(buf, host(sampled.logprobs), host(sampled.top_ids), host(sampled.top_logprobs),
+                                    self._events[i])
         pending.event.record()
         return pending
 
