@@ -11,7 +11,7 @@ An all-decode step from the scheduler's fast path (ScheduledBatch.seq_lens set: 
 every row samples) takes a shorter path: positions are the sequence lengths less one, the query
 starts and logits rows are constants kept in the staging, and the device block table is not sent
 again while the batch keeps its rows in the same order: only the blocks appended since the last
-step are written, by one scatter on the device (DESIGN.md: block-table rows change by appending).
+step are written, by one scatter on the device (device_block_table.py).
 Anything that writes the static buffers outside prepare (warm-up, graph capture) must call
 `invalidate()` unless the rows change hands before the next step.
 """
@@ -24,9 +24,8 @@ import torch
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.engine.request import PLACEHOLDER
 from pcg_engine.engine.row_state import RowState
+from pcg_engine.engine.device_block_table import DeviceBlockTable
 from pcg_engine.engine.step_buffers import StepBuffers
-
-_UNKNOWN = object()     # block-table edits since the last step that were not recorded one by one
 
 
 @dataclass
@@ -65,21 +64,13 @@ class InputBatch:
         self.input_ids, self.positions, self.slot_mapping = b.input_ids, b.positions, b.slot_mapping
         self.query_start_loc, self.seq_lens, self.logits_indices = b.query_start_loc, b.seq_lens, b.logits_indices
         self.step_block_table = b.block_table
-        self._table_flat = b.block_table.view(-1)
-        self._table_updates: dict[int, tuple] = {}
+        self.device_table = DeviceBlockTable(b, self.block_table, self.num_blocks)
         pin = device.type == "cuda"
         self._non_blocking = pin
         # Out-of-order placeholders (rare): flat rows, then their index in last step's tokens.
         self.placeholder_index = torch.zeros(2 * T, dtype=torch.long, device=device)
         self._ph_staging = [torch.zeros(2 * T, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._arange = np.arange(max(T, R) + 1, dtype=np.int64)
-        # What the device block table holds: the host table of the rows of `_table_rows` in batch
-        # order, padded to the key's Rp, at the key's RowState version, but for the appends since
-        # the last step: None (none), (batch positions, columns, block ids) from sync_rows, or
-        # _UNKNOWN (anything else: the next step sends the table whole).
-        self._table_rows: np.ndarray | None = None
-        self._table_key = None
-        self._appended = None
         # Flat offsets of the rows last handed in (rows * row width of the token and block arrays).
         self._flat_rows = (None, None, None)
         pow2 = block_size & (block_size - 1) == 0
@@ -112,15 +103,16 @@ class InputBatch:
         nb = int(self.num_blocks[row])
         if len(block_ids) > nb:
             self.block_table[row, nb:len(block_ids)] = block_ids[nb:]
-            self._appended = _UNKNOWN
+            self.device_table.unknown()
         elif len(block_ids) < nb:  # blocks released (preemption): the row starts over
             self.block_table[row, :len(block_ids)] = block_ids
-            self._table_rows = None            # the device copy holds blocks no longer the row's
+            self.device_table.drop()           # the device copy holds blocks no longer the row's
         self.num_blocks[row] = self.state.table_len[row] = len(block_ids)
 
     def invalidate(self) -> None:
         """The static buffers were written outside prepare: the next step sends everything."""
-        self._table_rows = self._sampled_rows = None
+        self.device_table.drop()
+        self._sampled_rows = None
         for s in self.buffers.staging:
             s.key = None
 
@@ -148,7 +140,7 @@ class InputBatch:
                 self.block_table[at, have] = new
                 self.num_blocks[at] = have + 1
                 # For the next prepare: the same appends on the device, if it keeps the order.
-                self._appended = (grown, have, new) if self._appended is None else _UNKNOWN
+                self.device_table.record(grown, have, new)
                 return
             for i in grown.tolist():
                 request = scheduled[i][0]
@@ -237,10 +229,10 @@ class InputBatch:
         st.seq_lens[:R] = seq_lens
         st.seq_lens[R:Rp] = 0
         views = self.buffers.views(Tp, Rp, S)
-        table, k = self._stage_table(st, rows, R, Rp, -(-max_seq_len // bs))
+        table, k = self.device_table.stage(st, rows, R, Rp, -(-max_seq_len // bs), self.state.version)
         self.buffers.upload(views, i, table)
         if k:
-            self._scatter_table(k)
+            self.device_table.scatter(k)
 
         ph = np.flatnonzero(input_ids == PLACEHOLDER)
         if len(ph):
@@ -297,10 +289,10 @@ class InputBatch:
         if qsl_cpu is None:
             qsl_cpu = views.cache["decode_qsl"] = torch.from_numpy(st.query_start_loc[:Rp + 1].copy())
         max_seq_len = int(seq_lens.max())
-        table, k = self._stage_table(st, rows, R, Rp, -(-max_seq_len // bs))
+        table, k = self.device_table.stage(st, rows, R, Rp, -(-max_seq_len // bs), self.state.version)
         self.buffers.upload(views, i, table)
         if k:
-            self._scatter_table(k)
+            self.device_table.scatter(k)
         same_order = rows is self._sampled_rows
         if input_ids.min() < 0:
             if not same_order and self._sampled_rows is not None and np.array_equal(rows, self._sampled_rows):
@@ -326,42 +318,6 @@ class InputBatch:
     def _check_size(self, Tp: int, Rp: int) -> None:
         if Tp > self.max_num_tokens or Rp > self.max_num_seqs:
             raise RuntimeError(f"step of {Tp} tokens / {Rp} requests exceeds the input batch")
-
-    def _stage_table(self, st, rows, R: int, Rp: int, used: int) -> tuple[bool, int]:
-        """Stage the step's block table: (True, 0) when rows [:Rp] must be sent whole; (False, k)
-        when the device holds it but for k appended blocks, staged as (flat index, block id)."""
-        key = (R, Rp, self.state.version)
-        prev, appended = self._table_rows, self._appended
-        self._appended = None
-        if (prev is not None and self._table_key == key and appended is not _UNKNOWN
-                and (rows is prev or np.array_equal(rows, prev))):
-            self._table_rows = rows
-            if appended is None:
-                return False, 0
-            at, cols, ids = appended           # batch positions (the device's rows), columns, ids
-            k = len(at)
-            index = st.table_index[:k]
-            np.multiply(at, self.max_blocks, out=index)
-            index += cols
-            st.table_value[:k] = ids
-            return False, k
-        # Only the columns in use: attention never reads a row past its seq_len's blocks, so the
-        # stale columns beyond (left from earlier steps) are never seen. Every block a row holds
-        # goes, so that later appends find the columns before them on the device.
-        used = min(max(used, int(self.num_blocks[rows].max()) if R else 0), self.max_blocks)
-        bt = st.block_table
-        bt[:R, :used] = self.block_table[rows, :used]
-        bt[R:Rp] = 0
-        self._table_rows, self._table_key = rows, key
-        return True, 0
-
-    def _scatter_table(self, k: int) -> None:
-        """Write the k staged appends (already on the device) into the device block table."""
-        pair = self._table_updates.get(k)
-        if pair is None:
-            with torch.inference_mode(False):
-                pair = self._table_updates[k] = (self.buffers.table_index[:k], self.buffers.table_value[:k])
-        self._table_flat.index_copy_(0, *pair)
 
     def _fill_placeholders(self, ph: np.ndarray, tok_rows: np.ndarray, previous_tokens, i: int) -> None:
         """Async scheduling: a placeholder input (-1 in the row) takes its real value from the

@@ -386,9 +386,9 @@ def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode):
         w.new_request()
     appended = 0
     for _ in range(150):
-        before = w.batch._table_rows
+        before = w.batch.device_table.rows
         w.step(pad)
-        appended += before is not None and w.batch._table_rows is before
+        appended += before is not None and w.batch.device_table.rows is before
     assert w.decode_steps > 80 and w.appends > 20
     assert appended > 40, "most decode steps should keep the device block table"
 
