@@ -126,13 +126,20 @@ def test_debug_check_catches_moved_inputs(gpu_runners):
     runner = gpu_runners("dense", "piecewise", cudagraph_buckets=[2, 8])
     pool = runner.graph_pool
     assert pool.enabled and not pool.passthrough and all((i, 8) in pool.captures for i in range(runner.forward_fn.stats.pieces))
-    ids = torch.zeros(8, dtype=torch.long, device="cuda")    # not the static buffer
+    # Not the static buffers, but views of a copy of their storage at the same offsets: the step's
+    # fields are views of one buffer (engine/step_buffers.py), and Dynamo guards on that aliasing,
+    # so a lone fresh tensor would make it trace anew (new pieces, no graphs: nothing to check).
+    ids0, pos0 = runner.batch.input_ids[:8], runner.batch.positions[:8]
+    assert ids0.dtype == pos0.dtype == torch.long
+    store = torch.zeros(ids0.untyped_storage().nbytes() // 8, dtype=torch.long, device="cuda")
+    ids = store.as_strided(ids0.shape, ids0.stride(), ids0.storage_offset())
+    positions = store.as_strided(pos0.shape, pos0.stride(), pos0.storage_offset())
     from pcg_engine.attention.context import ForwardContext, set_forward_context
     pool.debug = True
     try:
         with torch.inference_mode(), set_forward_context(ForwardContext(None, runner.kv_caches, runner.backend)):
             with pytest.raises(RuntimeError, match="static buffers"):
-                runner.forward_fn(ids, runner.batch.positions[:8])
+                runner.forward_fn(ids, positions)
     finally:
         pool.debug = False
 
