@@ -161,7 +161,7 @@ def test_graph_split_launch_matches_reference(name, h200_sms, record_launches, p
 @pytest.mark.parametrize("Hq", [16, 32])
 def test_gpu_graph_split_replays(bucket, Hq):
     """One capture per bucket at Qwen3-0.6B / 8B attention shapes (Hk 8, head_dim 128, bf16),
-    replayed on new contexts from 1 to 3000 keys and padding requests; the counters end at zero."""
+    replayed on new contexts from 1 to 3000 keys and padding requests; a fused merge's counters end at zero."""
     Hk, D, bs, dtype, width = 8, 128, 16, torch.bfloat16, 200
     backend = make_backend(Hq, Hk, D, bs)
     static = bucket_meta(bucket, width, 40960)
@@ -183,4 +183,5 @@ def test_gpu_graph_split_replays(bucket, Hq):
         out.fill_(float("nan"))
         graph.replay()
         check(out, reference(q, cache, meta, backend.scale), 1e-2)
-        assert not triton_attention._COUNTERS[q.device].any()
+        if launch_config.GRAPH_SPLIT_DECODE_TUNING.fused_merge:
+            assert not triton_attention._COUNTERS[q.device].any()
