@@ -120,6 +120,32 @@ class Workload:
             self.tables[r.request_id] = []
             self.batch.add(r)
 
+    def launch(self, scheduled, got, rng, mirror: bool):
+        """"Launch" a prepared step: computed advances, the sampling rows get a placeholder (async)
+        or their token. mirror: also tell the batch each change (set_token, update), as the
+        general path does; the decode path's batch learns them from sync_rows instead."""
+        sampled = torch.tensor([rng.randint(3, 999) for _ in got.sample_rows], dtype=torch.long)
+        for r, n in scheduled:
+            r.num_computed_tokens += n
+        # Async: step s-1's placeholders are resolved on the host after step s is launched.
+        for r, index, j in self.unresolved:
+            if r in self.active and index < r.num_tokens and r.token_ids[index] == PLACEHOLDER:
+                value = int(self.previous_tokens[j])
+                r.resolve_placeholder(index, value)
+                if mirror:
+                    self.batch.set_token(r.request_id, index, value)
+        self.unresolved, self.prev_sample_pos = [], {}
+        for j, r in enumerate(got.sample_rows):
+            if self.async_mode:
+                self.unresolved.append((r, r.num_tokens, j))
+                r.append_output(PLACEHOLDER)
+            else:
+                r.append_output(int(sampled[j]))
+            self.prev_sample_pos[r.request_id] = j
+            if mirror:
+                self.batch.update(r)
+        self.previous_tokens = sampled
+
     def step(self, pad):
         rng = self.rng
         while len(self.active) < MAX_SEQS and rng.random() < 0.5:
@@ -150,27 +176,7 @@ class Workload:
                 pad_t = max(pad_t, pad_r)
         got = check_step(self.batch, scheduled, self.tables, self.prev_sample_pos, self.previous_tokens,
                          pad_t, pad_r)
-        # "Launch": computed advances, the sampling rows get a placeholder (async) or their token.
-        sampled = torch.tensor([rng.randint(3, 999) for _ in got.sample_rows], dtype=torch.long)
-        for r, n in scheduled:
-            r.num_computed_tokens += n
-        # Async: step s-1's placeholders are resolved on the host after step s is launched.
-        for r, index, j in self.unresolved:
-            if r in self.active and index < r.num_tokens and r.token_ids[index] == PLACEHOLDER:
-                value = int(self.previous_tokens[j])
-                r.resolve_placeholder(index, value)
-                self.batch.set_token(r.request_id, index, value)
-        self.unresolved = []
-        self.prev_sample_pos = {}
-        for j, r in enumerate(got.sample_rows):
-            if self.async_mode:
-                self.unresolved.append((r, r.num_tokens, j))
-                r.append_output(PLACEHOLDER)
-            else:
-                r.append_output(int(sampled[j]))
-            self.prev_sample_pos[r.request_id] = j
-            self.batch.update(r)
-        self.previous_tokens = sampled
+        self.launch(scheduled, got, rng, mirror=True)
         # Finish some, preempt some (only without a token in flight, as the scheduler does).
         for r in list(self.active):
             if r.num_tokens >= MAX_LEN - 1 or rng.random() < 0.05:
@@ -350,21 +356,7 @@ class DecodeWorkload(Workload):
             pad_t = pad_r
         got = check_step(self.batch, scheduled, self.tables, self.prev_sample_pos, self.previous_tokens,
                          pad_t, pad_r)
-        sampled = torch.tensor([rng.randint(3, 999) for _ in got.sample_rows], dtype=torch.long)
-        for r, n in scheduled:
-            r.num_computed_tokens += n
-        for r, index, j in self.unresolved:
-            if r in self.active and index < r.num_tokens and r.token_ids[index] == PLACEHOLDER:
-                r.resolve_placeholder(index, int(self.previous_tokens[j]))
-        self.unresolved, self.prev_sample_pos = [], {}
-        for j, r in enumerate(got.sample_rows):
-            if self.async_mode:
-                self.unresolved.append((r, r.num_tokens, j))
-                r.append_output(PLACEHOLDER)
-            else:
-                r.append_output(int(sampled[j]))
-            self.prev_sample_pos[r.request_id] = j
-        self.previous_tokens = sampled
+        self.launch(scheduled, got, rng, mirror=False)   # the rows reach the batch by sync_rows
         for r in list(self.active):
             if r.num_tokens >= MAX_LEN - 1 or rng.random() < 0.02:
                 self.release(r)
