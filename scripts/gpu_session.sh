@@ -7,7 +7,7 @@
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b M=/tmp/mb HOME=/tmp/hb TORCHINDUCTOR_CACHE_DIR=/tmp/ib bash scripts/gpu_session.sh ...
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
-# ttft (issue 5's 1/8/32 x 512), p1_8b_dot (p1_8b's graph modes with the tensor-core skinny candidates), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_pdl / p1_8b_pdl (graph modes with PCG_PDL=1),
+# ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
@@ -35,12 +35,10 @@ part() {
     load8b) timeout $(lim 90) $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
     p1_8b) timeout $(lim 240) $B latency --model $(model qwen3-8b) --modes eager,full_decode,piecewise,full_and_piecewise --num-iters 2 \
           --warmup-iters 1 --json $OUT/p1_q8b.json 2>&1 | tail -8 ;;
-    p1_8b_dot) PCG_SKINNY_DOT=1 timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise \
-          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q8b_dot.json 2>&1 | tail -7 ;;   # A/B: skinny_gemm.DOT_CANDIDATES
-    p1_pdl) PCG_PDL=1 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
-          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_pdl.json 2>&1 | tail -7 ;;   # A/B: kernels/pdl.py
-    p1_8b_pdl) PCG_PDL=1 timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise \
-          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q8b_pdl.json 2>&1 | tail -7 ;;
+    p1_nopdl) PCG_PDL=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
+          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_nopdl.json 2>&1 | tail -7 ;;   # A/B: kernels/pdl.py
+    p1_8b_nopdl) PCG_PDL=0 timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise \
+          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q8b_nopdl.json 2>&1 | tail -7 ;;
     p2) timeout $(lim 150) $B throughput --model $(model qwen3-0.6b) --modes full_and_piecewise --json $OUT/p2_q06${P2_TAG:-}.json 2>&1 | tail -8 ;;
     p3) timeout $(lim 200) $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts 300 \
           --request-rate 20 --input-len 1024 --output-len 128 --goodput ttft:200 tpot:20 --no-progress \

@@ -113,9 +113,8 @@ def graph_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devic
     kernel cuts each request's own tiles into these shares on the device (empty shares write
     nothing, seq_len 0 gives zeros). Batch 1 with 8 kv heads on 132 SMs: 16 splits, so a 384-token
     context runs as 6 one-tile programs a head instead of one program walking 6 tiles; batch 16: 1.
-    Capped at MAX_GRAPH_SPLITS: the fused merge's last program reads every used split serially
-    (H200, B1 x 8192, GQA 2: fused 16 splits 25.9 us, as fast as the two-kernel merge; fused 64
-    27.2 us against 17.1), and contexts of a few hundred keys have fewer tiles than that anyway."""
+    Capped at MAX_GRAPH_SPLITS (16): contexts of a few hundred keys have fewer tiles than that
+    anyway, and at 8,192 keys 16 splits already run 25-27 us in a graph replay (H200, session 4)."""
     if max_query_len > 1:  # prefill q-blocks fill the GPU by themselves
         return 1
     programs = GRAPH_SPLIT_WAVES * _num_sms(device)

@@ -141,16 +141,9 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 6144, 1024): SkinnyConfig(4, 1024, False, 4, 3),
 }
 
-# Tensor-core candidates, taken only with PCG_SKINNY_DOT=1 until a P1 A/B in the model decides
-# (gpu_session.sh p1_8b_dot): Qwen3-8B's o_proj at 1-16 rows (1.08-1.18x cuBLAS in the sweep) and
-# down_proj at one row (1.11x). No prologue folds into them (prologue_config), which the static
-# sm_90 analysis blames for the 12.9 ms: the plain dot path streamed its weights at 3-3.8 TB/s.
-DOT_CANDIDATES: dict[tuple[int, int, int], SkinnyConfig] = {
-    **{(m, 4096, 4096): SkinnyConfig(32, 256, True, 4, 4) for m in (1, 2, 4, 8, 16)},
-    (1, 4096, 12288): SkinnyConfig(32, 256, True, 4, 4),
-}
-if os.environ.get("PCG_SKINNY_DOT", "0") == "1":
-    TUNED.update(DOT_CANDIDATES)
+# Tensor-core configs for Qwen3-8B (o_proj at 1-16 rows, down_proj at one row; 1.08-1.18x cuBLAS
+# in the sweep, no prologue) measured slower in the model: P1 8B 4.91 ms vs 4.74 (session 4,
+# call 3, docs/PERF.md), so 8B stays on cuBLAS.
 
 # PCG_SKINNY_GEMM=0 keeps F.linear everywhere (an A/B switch for benchmarks, read at fuse time).
 ENABLED = os.environ.get("PCG_SKINNY_GEMM", "1") != "0"
