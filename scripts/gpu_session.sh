@@ -8,7 +8,7 @@
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
-# p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
+# p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
@@ -27,8 +27,8 @@ part() {
   case "$1" in
     graphs) timeout $(lim 250) $T tests/compile ${GRAPHS_K:+-k "$GRAPHS_K"} 2>&1 | tee $OUT/gpu_graphs.log | tail -25 ;;
     tests) timeout $(lim 240) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
-    p1) timeout $(lim 180) $B latency --model $(model qwen3-0.6b) --modes eager,full_decode,piecewise,full_and_piecewise \
-          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06.json 2>&1 | tail -12 ;;
+    p1) timeout $(lim 180) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-eager,full_decode,piecewise,full_and_piecewise} \
+          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06${P1_TAG:-}.json 2>&1 | tail -12 ;;
     p1_noskinny) PCG_SKINNY_GEMM=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_noskinny.json 2>&1 | tail -7 ;;   # the A/B of the skinny GEMM
     p5) timeout $(lim 200) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json ${P5_ARGS:-} 2>&1 | tail -8 ;;
@@ -59,7 +59,7 @@ part() {
               --json $OUT/overhead$n.json 2>&1 | tail -12
           done ;;
     overhead32) for n in ${OVERHEAD_N:-16 64 256}; do   # same_tokens in float32 (see pcg_engine/bench/overhead.py)
-            timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests $n --slots $n --new-tokens 64 --dtype float32 \
+            timeout $(lim ${OVERHEAD_LIM:-150}) $B overhead --model $(model qwen3-0.6b) --requests $n --slots $n --new-tokens 64 --dtype float32 \
               --json $OUT/overhead32_$n.json 2>&1 | tail -12
           done ;;
     profile) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 256 --configs 'full graphs,full graphs + async' --out-dir $OUT/profile 2>&1 | tail -12 ;;
