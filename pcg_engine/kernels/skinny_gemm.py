@@ -139,6 +139,12 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (4, 1024, 3072): SkinnyConfig(2, 1024, False, 4, 3),
     (1, 4096, 1024): SkinnyConfig(4, 1024, False, 4, 3),
     (1, 6144, 1024): SkinnyConfig(4, 1024, False, 4, 3),
+    # Two rows: the piecewise graphs' smallest token bucket (compile/setup.py pads a single decode
+    # to two tokens), where cuBLAS plus a separate add + RMSNorm ran qkv and gate_up (56 nvjet
+    # kernels and 56 norms a step in session 5's piecewise batch-1 profile). The one-row configs,
+    # for the fold; expected -3 us a layer of GPU time there (the norm's launch).
+    (2, 4096, 1024): SkinnyConfig(4, 1024, False, 4, 3),
+    (2, 6144, 1024): SkinnyConfig(4, 1024, False, 4, 3),
 }
 
 # Tensor-core configs for Qwen3-8B (o_proj at 1-16 rows, down_proj at one row; 1.08-1.18x cuBLAS
