@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pcg_engine.kernels.argmax import greedy_tokens
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine.block_manager import BlockManager
 from pcg_engine.engine.detokenizer import IncrementalDetokenizer
@@ -246,7 +247,7 @@ class LLMEngine:
             sampled = self.sampler(logits, self.sampling.select(rows))
             self.sampling.record_sampled(sampled.token_ids, rows)
         else:
-            sampled = SamplerOutput(token_ids=logits.argmax(dim=-1))
+            sampled = SamplerOutput(token_ids=greedy_tokens(logits))   # kernels/argmax.py
         self.stats.steps += 1
         pending = self.readback.start(sampled)
         rows = getattr(inputs, "sample_row_ids", None)

@@ -1,0 +1,48 @@
+"""kernels/argmax.py against torch.argmax: first occurrence on ties, chunk boundaries, -inf rows, NaN."""
+
+import pytest
+import torch
+from conftest import ON_GPU
+
+from pcg_engine.kernels.argmax import CHUNK, argmax_rows
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, CHUNK), (3, CHUNK + 1), (5, 2 * CHUNK + 37)])
+def test_matches_torch(rows, vocab, dtype):
+    # Small integers: many ties inside and across chunks, so the first-occurrence rule is exercised.
+    x = torch.randint(-4, 5, (rows, vocab), device=DEVICE).to(dtype)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    y = torch.randn(rows, vocab, device=DEVICE).to(dtype)
+    assert torch.equal(argmax_rows(y), y.argmax(dim=-1))
+
+
+def test_maximum_at_chunk_edges_and_special_rows():
+    vocab = 2 * CHUNK + 5
+    x = torch.randn(6, vocab, device=DEVICE)
+    x[0, CHUNK - 1] = 100.0          # last element of the first chunk
+    x[1, CHUNK] = 100.0              # first element of the second
+    x[2, vocab - 1] = 100.0          # the masked tail chunk
+    x[3] = float("-inf")             # nothing but -inf: index 0, as torch.argmax
+    x[4, 7] = float("nan")           # NaN wins, as in torch.argmax
+    x[5, :] = 3.0                    # all equal: the first
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_strided_rows_and_empty_batch():
+    base = torch.randn(4, 3 * CHUNK, device=DEVICE)
+    view = base[:, :CHUNK + 9]       # rows strided wider than the vocabulary
+    assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+    assert argmax_rows(torch.empty(0, 10, device=DEVICE)).shape == (0,)
+    with pytest.raises(ValueError, match="expected"):
+        argmax_rows(torch.empty(3, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_gpu_real_vocab(rows):
+    x = torch.randn(rows, 151936, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
