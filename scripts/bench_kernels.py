@@ -1,6 +1,6 @@
 """Micro-benchmark of the fused kernels on a CUDA GPU: one table, optionally a JSON file.
 
-    python scripts/bench_kernels.py [--json PATH] [--only attention,graph_split] [--attention-sweep none|quick|full]
+    python scripts/bench_kernels.py [--json PATH] [--only attention,graph_split,argmax] [--attention-sweep none|quick|full]
 
 Memory-bound kernels (add+RMSNorm, SiLU-and-mul) are measured against the copy ceiling, the fused
 MoE against the time to read its active experts' weights once at that ceiling (its floor for
@@ -108,6 +108,18 @@ def activation_rows():
             us, ref = time_us(lambda: silu_and_mul(x)), time_us(lambda: silu_and_mul_ref(x))
             rows.append(row("silu_and_mul", f"{tokens}x2*{inter} ({model})", us, 3 * tokens * inter * 2, "GB/s",
                             f"{ref / us:.1f}x vs torch"))
+    return rows
+
+
+def argmax_rows_section():
+    """Greedy sampling's argmax over Qwen3's vocabulary: kernels/argmax.py vs torch.argmax."""
+    from pcg_engine.kernels.argmax import argmax_rows
+    rows = []
+    for batch in (1, 16, 256):
+        x = torch.randn(batch, 151936, device="cuda", dtype=DTYPE)
+        us, ref = time_us(lambda: argmax_rows(x)), time_us(lambda: x.argmax(dim=-1))
+        rows.append(row("argmax", f"{batch}x151936", us, x.numel() * 2, "GB/s",
+                        f"torch.argmax {ref:.1f} us ({ref / us:.2f}x)"))
     return rows
 
 
@@ -387,7 +399,8 @@ def main(argv=None):
     import triton
     gpu = torch.cuda.get_device_name()
     sections = dict(norm=norm_rows, activation=activation_rows, moe=moe_rows,
-                    attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows)
+                    attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows,
+                    argmax=argmax_rows_section)
     rows = []
     for name in args.only.split(","):
         rows += sections[name.strip()]()
