@@ -8,6 +8,7 @@
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
+# p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
@@ -37,6 +38,10 @@ part() {
           --warmup-iters 1 --json $OUT/p1_q8b.json 2>&1 | tail -8 ;;
     p1_nopdl) PCG_PDL=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_nopdl.json 2>&1 | tail -7 ;;   # A/B: kernels/pdl.py
+    p1_nofast) PCG_FAST_LAUNCH=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise,full_and_piecewise} \
+          --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_nofast.json 2>&1 | tail -7 ;;   # A/B: kernels/fast_launch.py
+    fastlaunch) timeout $(lim 150) ${T% -m gpu} tests/kernels/test_fast_launch_gpu.py tests/kernels/test_fast_launch.py 2>&1 | tee $OUT/gpu_fastlaunch.log | tail -15
+          timeout $(lim 120) python3 scripts/bench_attention_launch.py --json $OUT/attention_launch.json 2>&1 | tail -20 ;;
     p1_8b_nopdl) PCG_PDL=0 timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q8b_nopdl.json 2>&1 | tail -7 ;;
     p2) timeout $(lim 150) $B throughput --model $(model qwen3-0.6b) --modes full_and_piecewise --json $OUT/p2_q06${P2_TAG:-}.json 2>&1 | tail -8 ;;

@@ -48,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pcg_engine.kernels import pdl
+from pcg_engine.attention import launch_plan
+from pcg_engine.kernels import fast_launch, pdl
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 # The launch's host-side choices live in launch_config.py; re-exported here, where callers look.
@@ -324,53 +325,103 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
                       num_reqs: int, max_query_len: int, scale: float, num_splits: int = 1, *,
                       tuning: DecodeTuning | None = None) -> None:
     """q, out [T, Hq, D] (last dim contiguous); kv_cache [2, NB, BS, Hk, D]; query_start_loc [>=R+1],
-    seq_lens [>=R], block_table [>=R, W] int32 on the device. Writes every row of out."""
+    seq_lens [>=R], block_table [>=R, W] int32 on the device. Writes every row of out.
+
+    A call with the same host values, shapes, strides and dtypes as an earlier one re-issues that
+    call's recorded launches with this call's addresses (launch_plan.py); the first goes through
+    the JIT and records them. Same kernels, grids and arguments either way."""
+    if fast_launch.ENABLED and num_reqs > 0:
+        ptrs = (q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), query_start_loc.data_ptr(),
+                seq_lens.data_ptr(), block_table.data_ptr())
+        # The JIT specialises pointers on 16-byte alignment: plans serve the aligned case only.
+        if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15:
+            key = launch_plan.plan_key(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs,
+                                       max_query_len, scale, num_splits, tuning, SEARCH_BLOCK)
+            plan = launch_plan.PLANS.get(key)
+            if plan is not None:
+                if plan(*ptrs):
+                    return
+            else:
+                plan = _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, max_query_len,
+                               scale, num_splits, tuning, record=True)
+                if plan is not None:
+                    launch_plan.PLANS.put(key, plan)
+                return
+    _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, max_query_len, scale,
+            num_splits, tuning)
+
+
+def _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, max_query_len, scale,
+            num_splits, tuning, record: bool = False):
+    """unified_attention through the JIT; with `record`, returns its AttentionPlan (or None)."""
     T, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
     assert num_heads % num_kv_heads == 0 and q.stride(2) == 1 and out.stride(2) == 1
     assert kv_cache.stride(4) == 1 and block_table.stride(1) == 1
     if T == 0:
-        return
+        return None
     if num_reqs == 0:  # nothing but padding rows
         out.zero_()
-        return
+        return None
     group = num_heads // num_kv_heads
     v = kernel_variant(num_heads, num_kv_heads, head_dim, max_query_len, num_splits, tuning)
     num_splits = _clamp_splits(num_splits)
     # grid: decode has R request programs, then the padding-row programs (module docstring)
     grid = (host_cdiv(T, v.block_q) + num_reqs + (0 if v.decode else 1), num_kv_heads, num_splits)
+    part_numel = n_out = 0
     if v.split:
         # Token dim rounded up to 16: the strides then stay divisible by 16 for every T, one
-        # specialisation class, so a new T never means a new compile.
+        # specialisation class, so a new T never means a new compile. One allocation for both
+        # (part_lse starts 64-byte aligned after part_out): one torch.empty per call on a plan.
         t_pad = host_cdiv(T, 16) * 16
-        part_out = torch.empty((num_splits, t_pad, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, t_pad, num_heads), dtype=torch.float32, device=q.device)
+        n_out = num_splits * t_pad * num_heads * head_dim
+        part_numel = n_out + num_splits * t_pad * num_heads
+        part = torch.empty(part_numel, dtype=torch.float32, device=q.device)
+        part_out = part[:n_out].view(num_splits, t_pad, num_heads, head_dim)
+        part_lse = part[n_out:].view(num_splits, t_pad, num_heads)
     else:
         part_out = part_lse = out  # unused
     # Without the fused merge the counter argument is unused: `out` then, which adds no
     # specialisation class (alignment) of its own.
     counters = _split_counters(q.device, grid[0] * grid[1]) if v.fused_merge else out
     group_pad = host_next_pow2(group)
-    _unified_attention_kernel[grid](
-        q, kv_cache, out, query_start_loc, seq_lens, block_table, part_out, part_lse, counters,
-        T, num_reqs, num_splits, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+    pdl_kwargs = pdl.launch_kwargs(q.device)
+    args = (q, kv_cache, out, query_start_loc, seq_lens, block_table, part_out, part_lse, counters,
+            T, num_reqs, num_splits, scale * math.log2(math.e),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            block_table.stride(0),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
+    kwargs = dict(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=v.block_m, BLOCK_Q=v.block_q,
         TILE_N=v.tile_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLIT=v.split,
         IEEE=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16), SEARCH=SEARCH_BLOCK,
         DECODE=v.decode, FUSED_MERGE=v.fused_merge,
         MERGE_CHUNK=v.merge_chunk,
-        num_warps=v.num_warps, num_stages=v.num_stages, **pdl.launch_kwargs(q.device),
+        num_warps=v.num_warps, num_stages=v.num_stages, **pdl_kwargs,
     )
+    main = _jit(_unified_attention_kernel, grid, args, kwargs, 9, record)
+    merge = None
     if v.split and not v.fused_merge:
-        _merge_splits_kernel[(T, num_heads)](
-            part_out, part_lse, out, num_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            SPLITS_PAD=v.splits_pad, HEAD_DIM=head_dim,
-            num_warps=4 if head_dim >= 128 else 2, **pdl.launch_kwargs(q.device),
-        )
+        merge_grid = (T, num_heads)
+        margs = (part_out, part_lse, out, num_splits,
+                 part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+                 out.stride(0), out.stride(1))
+        mkwargs = dict(SPLITS_PAD=v.splits_pad, HEAD_DIM=head_dim,
+                       num_warps=4 if head_dim >= 128 else 2, **pdl_kwargs)
+        merge = _jit(_merge_splits_kernel, merge_grid, margs, mkwargs, 3, record)
+        if merge is None:
+            return None
+    if main is None:
+        return None
+    return launch_plan.AttentionPlan(main, merge, part_numel, n_out * 4, q.device,
+                                     counters.data_ptr() if v.fused_merge else None)
+
+
+def _jit(kernel, grid, args, kwargs, slots: int, record: bool):
+    """kernel[grid](*args, **kwargs); with `record`, the RecordedLaunch of it (or None)."""
+    if record:
+        return fast_launch.jit_launch(kernel, grid, args, kwargs, slots)
+    kernel[grid](*args, **kwargs)
+    return None

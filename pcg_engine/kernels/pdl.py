@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["enabled", "launch_kwargs", "scope", "gdc_wait", "gdc_launch_dependents"]
+__all__ = ["active", "enabled", "launch_kwargs", "scope", "gdc_wait", "gdc_launch_dependents"]
 
 _WANTED = os.environ.get("PCG_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -59,6 +59,12 @@ def scope():
         yield
     finally:
         _depth -= 1
+
+
+def active() -> bool:
+    """Wanted and inside scope(): all of enabled() but the device, which is fixed per device (the
+    cached attention launches key on it, attention/launch_plan.py)."""
+    return bool(_WANTED and _depth)
 
 
 def enabled(device: torch.device) -> bool:

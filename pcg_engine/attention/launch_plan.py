@@ -1,0 +1,77 @@
+"""Cached launch plans of unified_attention: a repeated call re-issues its recorded launches.
+
+In piecewise mode every layer of every decode step calls unified_attention with the same host
+values (the bucket's T and num_reqs, the step's split count) on buffers at the same addresses (q
+and out are graph-owned memory of the bucket, the metadata views of the runner's static buffers,
+one KV cache per layer). The first call of such an argument set launches through the JIT
+(triton_attention._launch) and records each launch (kernels/fast_launch.py); the plan is those
+records plus the partial buffer's size, and later calls compute only the key and the pointers.
+
+The key is everything the launch derives from its arguments except the six tensors' addresses:
+shapes, strides and dtypes, the host ints, the tuning, the PDL state, the search block, the current
+device. The addresses are the launch's leading pointer arguments, passed per call; the JIT
+specialises a pointer on its dtype (in the key) and on its 16-byte alignment, so plans serve
+only calls whose six pointers are all aligned (anything else goes to the JIT every time). Hence
+eager mode, whose q and out are fresh allocations per layer, hits too.
+
+Partial results of a split launch: one fresh torch.empty per call, as without plans (inside a
+graph capture it must come from the graph's pool), its address passed like the others; the
+caching allocator's blocks are 512-byte aligned and part_lse starts a multiple of 64 bytes after
+part_out, so both keep the class the record was made with (checked per call anyway). The fused
+merge's arrival counters are a persistent buffer that is never freed (triton_attention's
+_split_counters retires outgrown ones), so a plan may keep its address.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pcg_engine.kernels import fast_launch, pdl
+
+# Entries hold ints and CompiledKernels only. 28 layers x a handful of live (T, split) pairs.
+PLANS = fast_launch.LaunchCache(512)
+
+
+def plan_key(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs: int, max_query_len: int,
+             scale: float, num_splits: int, tuning, search: int):
+    """Everything but the tensors' addresses that unified_attention's launches depend on. One
+    tuple per call, strides as whole tuples (one call each, not one per dim)."""
+    return (fast_launch.current_device(), q.shape, q.stride(), q.dtype, out.stride(), out.dtype,
+            kv_cache.shape, kv_cache.stride(), kv_cache.dtype, block_table.stride(), block_table.dtype,
+            query_start_loc.dtype, seq_lens.dtype, num_reqs, max_query_len, scale, num_splits, tuning, search,
+            pdl.active())
+
+
+class AttentionPlan:
+    """The recorded launches of one unified_attention argument set (module docstring)."""
+
+    __slots__ = ("main", "merge", "part_numel", "lse_offset", "device", "counters", "stream_device")
+
+    def __init__(self, main, merge, part_numel: int, lse_offset: int, device: torch.device,
+                 counters: int | None):
+        self.main = main                # RecordedLaunch, 9 pointer slots
+        self.merge = merge              # RecordedLaunch, 3 pointer slots, or None
+        self.part_numel = part_numel    # fp32 elements of the partial buffer (0: no split)
+        self.lse_offset = lse_offset    # bytes from part_out to part_lse in it
+        self.device = device            # of the partial buffer
+        self.counters = counters        # fused merge's counter address; None: `out` stands in
+        self.stream_device = fast_launch.current_device()  # the JIT launched on its stream (in the key)
+
+    def __call__(self, q_p: int, cache_p: int, out_p: int, qsl_p: int, lens_p: int, table_p: int) -> bool:
+        """Launch with these addresses; False (nothing launched) where the JIT must do it."""
+        if fast_launch.hooks_set():
+            return False
+        stream = fast_launch.current_stream(self.stream_device)
+        if self.part_numel:
+            part = torch.empty(self.part_numel, dtype=torch.float32, device=self.device)
+            po = part.data_ptr()
+            if po & 15:
+                return False
+            pl = po + self.lse_offset
+        else:
+            po = pl = out_p  # unused by the kernel (see triton_attention._launch)
+        ctr = out_p if self.counters is None else self.counters
+        self.main(stream, (q_p, cache_p, out_p, qsl_p, lens_p, table_p, po, pl, ctr))
+        if self.merge is not None:
+            self.merge(stream, (po, pl, out_p))
+        return True  # `part` is freed on return: stream order protects it, as for a JIT launch

@@ -1,0 +1,262 @@
+"""Cached direct launch of Triton kernels: re-issue a launch the JIT has already bound, without it.
+
+Why: `kernel[grid](*args)` costs ~60 µs of host time on the H200's CPU for the attention kernel
+(30-odd arguments): the generated binder, one native specialisation per argument, the compile-key
+hash, launch metadata. The launch itself (`CompiledKernel.run`, Triton's C launcher) is a fraction
+of that. In piecewise mode the attention launches between the graph pieces are the host-bound part
+of a decode step, and a step repeats the same launches layer after layer, step after step.
+
+How: the first call of a given argument set goes through the JIT, which returns the
+`CompiledKernel`; `jit_launch` records what the JIT handed to it (grid, the bound arguments in
+parameter order, tensors as their data pointers) as a `RecordedLaunch`; a later call whose key is
+equal calls `compiled.run` directly, as the JIT would have:
+
+    compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
+                 launch_metadata, launch_enter_hook, launch_exit_hook, *bound_args_incl_constexprs)
+
+Verified in the sources of Triton 3.5.0, 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (runtime/jit.py
+`JITFunction.run`, compiler/compiler.py `CompiledKernel.run`/`__getitem__`, the nvidia driver's
+`CudaLauncher.__call__`): that call is the same in all five; `launch_pdl` and
+`launch_cooperative_grid` are compile options, stored in the kernel's metadata and read by the
+launcher object itself, so they come with the CompiledKernel; constexpr arguments are passed and
+skipped by the launcher; a pointer argument may be a plain int (the C launcher's getPointer /
+extractPointer take a PyLong as the address, which also skips a cuPointerGetAttribute per
+pointer). The JIT passes knobs.runtime.launch_enter/exit_hook, HookChains that are empty unless a
+profiler adds to them, and a LazyDict of launch metadata for them; with both chains empty those
+calls do nothing, so a direct launch passes None for all three, and is taken only while both are
+empty (checked per call: a profiler's launches keep their hooks); other versions, the CPU
+interpreter, a kernel with pre-run hooks, or PCG_FAST_LAUNCH=0 (A/B switch, read at import) keep
+the plain JIT call.
+
+The key is the caller's business and must determine every recorded argument. `launch` below keys
+on the exact arguments (a tensor by data pointer and dtype: that is all of a tensor the kernel
+receives and all the JIT specialises on, pointer alignment being a function of the pointer), so
+the JIT could not have chosen another binary. A caller may instead keep the first `slots`
+arguments (pointers) out of its key and pass them per call: then its key must hold each slot's
+dtype and 16-byte-alignment class (the JIT's whole specialisation of a pointer), as
+attention/launch_plan.py's does. Not tracked: Triton knobs that change compiled code at run time
+(knobs.runtime.debug, instrumentation); the engine sets none of them.
+
+The stream is read per call (a CUDA-graph capture runs on a side stream). Caches are bounded LRUs;
+entries hold ints and the CompiledKernel (kept alive, so its CUfunction stays loaded), never a tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+import triton
+
+__all__ = ["ENABLED", "LaunchCache", "RecordedLaunch", "current_stream", "hooks_set", "jit_launch",
+           "launch"]
+
+VERIFIED = {(3, 5), (3, 6), (3, 7), (3, 8), (3, 9)}
+
+
+def _version(text: str) -> tuple[int, int]:
+    try:
+        major, minor = text.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or -1)
+    except ValueError:
+        return (0, 0)
+
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime.jit import JITFunction
+    _RUNTIME = _knobs.runtime
+except ImportError:  # pragma: no cover - a Triton without knobs predates every verified version
+    _RUNTIME, JITFunction = None, ()
+
+ENABLED = (os.environ.get("PCG_FAST_LAUNCH", "1") != "0"
+           and os.environ.get("TRITON_INTERPRET", "0") != "1"
+           and _version(triton.__version__) in VERIFIED and _RUNTIME is not None)
+
+
+def _hook_set(hook) -> bool:
+    # 3.5-3.9 keep a HookChain here, empty unless a profiler adds to it; a plain callable or None
+    # may be assigned instead (the older spelling)
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or bool(calls)
+
+
+_CHAINS = ((_RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook) if _RUNTIME is not None else (None, None))
+
+
+def hooks_set() -> bool:
+    """Launch hooks want launch_metadata built per call (profilers): leave those launches to the JIT.
+    Per call, so the common case (Triton's own chains, both empty) is two identity checks."""
+    enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+    if enter is _CHAINS[0] and leave is _CHAINS[1] and enter is not None:
+        return bool(enter.calls or leave.calls)
+    return _hook_set(enter) or _hook_set(leave)
+
+
+# The JIT reads the current device and its current stream per launch (triton's GPUDriver uses
+# torch's raw-stream getter); the same C functions here, without torch.cuda's Python wrappers.
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_device() -> int:
+    if _get_device is not None:
+        return _get_device()
+    return triton.runtime.driver.active.get_current_device()
+
+
+def current_stream(device: int | None = None) -> int:
+    """The raw CUDA stream a launch on `device` (default: the current one) goes to now."""
+    if device is None:
+        device = current_device()
+    if _get_stream is not None:
+        return _get_stream(device)
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+class RecordedLaunch:
+    """One launch as the JIT made it; calling it re-issues it on `stream`, the first `slots`
+    arguments (pointers, as ints) supplied per call."""
+
+    __slots__ = ("kernel", "compiled", "run", "function", "packed", "grid", "slots", "rest")
+
+    def __init__(self, kernel, compiled, grid, slots: int, rest: tuple):
+        self.kernel = kernel              # keys may name it by id(): it must outlive them
+        self.compiled = compiled          # holds the module loaded while the record lives
+        self.run = compiled.run           # the launcher object (a property: initialised by the JIT call)
+        self.function = compiled.function
+        self.packed = compiled.packed_metadata
+        self.grid = grid
+        self.slots = slots
+        self.rest = rest
+
+    def __call__(self, stream: int, ptrs: tuple = ()) -> None:
+        g0, g1, g2 = self.grid
+        self.run(g0, g1, g2, stream, self.function, self.packed, None, None, None, *ptrs, *self.rest)
+
+
+def _as_arg(value):
+    """A bound argument as a recorded launch passes it, or _NO if it cannot be recorded."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() if value.is_cuda else _NO
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _NO  # tuples, tensor descriptors, jit functions as constexprs: leave them to the JIT
+
+
+_NO = object()
+
+
+def record(kernel, compiled, grid, args: tuple, kwargs: dict, slots: int = 0) -> RecordedLaunch | None:
+    """The launch `kernel[grid](*args, **kwargs)` just made (it returned `compiled`), or None
+    where it cannot be re-issued directly."""
+    if not (ENABLED and isinstance(kernel, JITFunction)) or kernel.pre_run_hooks or hooks_set():
+        return None
+    if compiled is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return None  # e.g. an asynchronous compile's future
+    if callable(grid) or not 1 <= len(grid) <= 3 or not all(type(g) is int for g in grid):
+        return None
+    # bind + apply_defaults: what the JIT's binder does; launch options are not parameters
+    names = kernel.signature.parameters
+    bound = kernel.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+    bound.apply_defaults()
+    values = [_as_arg(v) for v in bound.arguments.values()]
+    if any(v is _NO for v in values) or not all(type(v) is int for v in values[:slots]):
+        return None
+    if compiled.function is None:
+        return None
+    return RecordedLaunch(kernel, compiled, tuple(grid) + (1,) * (3 - len(grid)), slots, tuple(values[slots:]))
+
+
+def jit_launch(kernel, grid, args: tuple, kwargs: dict, slots: int = 0) -> RecordedLaunch | None:
+    """Launch through the JIT; return the record of that launch (None where it cannot be made)."""
+    compiled = kernel[grid](*args, **kwargs)
+    return record(kernel, compiled, grid, args, kwargs, slots)
+
+
+class LaunchCache:
+    """A bounded LRU of recorded launches (or anything) by key: eager mode's fresh allocations
+    give new keys all the time, and must not grow memory."""
+
+    def __init__(self, maxsize: int = 256):
+        self.maxsize = maxsize
+        self.misses = 0           # entries added (tests and benchmarks read it)
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key, entry) -> None:
+        self.misses += 1
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+
+def _key_of(value):
+    """An argument's part of an exact key: what reaches the kernel and what the JIT specialises on.
+    Types are part of it (1, 1.0 and True are equal in Python, not to the JIT); floats by their
+    bits (-0.0 == 0.0 in Python). None where the argument cannot be keyed."""
+    if isinstance(value, torch.Tensor):
+        return (value.data_ptr(), value.dtype, value.is_cuda)
+    if isinstance(value, float):
+        return (float, value.hex())
+    if value is None or isinstance(value, (bool, int, str)):
+        return (type(value), value)
+    return None
+
+
+def exact_key(kernel, grid, args: tuple, kwargs: dict):
+    """The key of `launch`: kernel, device, grid, every argument and option; None if not keyable."""
+    if callable(grid):
+        return None
+    # id(): a JITFunction hashes its source hash under a lock (µs); the record keeps it alive
+    parts = [id(kernel), current_device(), tuple(grid)]
+    for a in args:
+        k = _key_of(a)
+        if k is None:
+            return None
+        parts.append(k)
+    for name, a in kwargs.items():
+        k = _key_of(a)
+        if k is None:
+            return None
+        parts.append((name, k))
+    return tuple(parts)
+
+
+_EXACT = LaunchCache(256)
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)`, re-issued directly when the same call was seen before."""
+    if not ENABLED:
+        return kernel[grid](*args, **kwargs)
+    key = exact_key(kernel, grid, args, kwargs)
+    if key is not None:
+        rec = _EXACT.get(key)
+        if rec is not None and not hooks_set():
+            rec(current_stream(key[1]))
+            return rec.compiled
+    compiled = kernel[grid](*args, **kwargs)
+    if key is not None:
+        rec = record(kernel, compiled, grid, args, kwargs)
+        if rec is not None:
+            _EXACT.put(key, rec)
+    return compiled

@@ -1,0 +1,272 @@
+"""Cached direct launches (kernels/fast_launch.py, attention/launch_plan.py).
+
+On the CPU no CompiledKernel can exist, so the logic is checked against a stand-in: a real
+JITFunction whose `run` does what Triton 3.5-3.9's JITFunction.run does at its end (bind the
+arguments, call `compiled.run(grid, stream, function, packed_metadata, None, None, None, *bound)`)
+and a fake CompiledKernel that logs its launcher calls. A direct launch must hand the launcher
+exactly what the JIT handed it (tensors as their addresses). The gpu tests compare the real thing
+with the JIT path bit for bit (tests/kernels/test_fast_launch_gpu.py).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported (also done by tests/kernels/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from pcg_engine.attention import launch_plan, triton_attention  # noqa: E402
+from pcg_engine.kernels import fast_launch  # noqa: E402
+
+STREAM = 0x5EED
+
+
+class FakeCompiled:
+    function = 0xF0
+    packed_metadata = (4, 1, 0)
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):  # the launcher: grid, stream, function, packed, metadata, hooks, args
+        self.calls.append(args)
+
+
+def fake_kernel(fn, log: list) -> JITFunction:
+    """A JITFunction of `fn` that runs nothing: its run logs and 'launches' as the real one does."""
+    kernel = JITFunction(fn)
+    compiled = FakeCompiled()
+    names = kernel.signature.parameters
+
+    def run(*args, grid, warmup, **kwargs):
+        bound = kernel.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+        bound.apply_defaults()
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        log.append(("jit", fn.__name__, kwargs))
+        compiled.run(*g, STREAM, compiled.function, compiled.packed_metadata, None, None, None,
+                     *bound.arguments.values())
+        return compiled
+    kernel.run = run  # __getitem__ looks `run` up on the instance
+    kernel.compiled = compiled
+    return kernel
+
+
+def as_launched(call: tuple) -> tuple:
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in call)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """fast_launch on, as on a GPU: the current device 0, one stream, fresh caches, CPU tensors
+    recorded as pointers (as CUDA tensors are). Returns the real argument recorder."""
+    real_as_arg = fast_launch._as_arg
+    monkeypatch.setattr(fast_launch, "_as_arg",
+                        lambda v: v.data_ptr() if isinstance(v, torch.Tensor) else real_as_arg(v))
+    monkeypatch.setattr(fast_launch, "ENABLED", True)
+    monkeypatch.setattr(fast_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(fast_launch, "current_stream", lambda device=None: STREAM)
+    monkeypatch.setattr(fast_launch, "_EXACT", fast_launch.LaunchCache(4))
+    monkeypatch.setattr(launch_plan, "PLANS", fast_launch.LaunchCache(4))
+    return real_as_arg
+
+
+def test_off_under_the_interpreter():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert not fast_launch.ENABLED
+    assert fast_launch._version("3.6.0") == (3, 6) and fast_launch._version("3.10.0+git1") == (3, 10)
+    assert fast_launch._version("3.6.0") in fast_launch.VERIFIED
+    assert fast_launch._version("4.0.0") not in fast_launch.VERIFIED
+
+
+def test_interpreter_results_take_the_jit_path():
+    """Under the interpreter unified_attention launches through the (interpreted) JIT, no plans."""
+    if fast_launch.ENABLED:
+        pytest.skip("fast launches are on: the gpu tests cover this process")
+    before = launch_plan.PLANS.misses
+    from test_triton_attention import CASES, check, make_batch, reference
+    specs, pad, bs, Hq, Hk, D, dtype, splits = CASES["split_decode"]
+    q, cache, meta = make_batch(specs, len(specs) + pad, bs, Hq, Hk, D, dtype)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.unified_attention(q, cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                       meta.num_reqs, 1, D ** -0.5, num_splits=splits)
+    check(out, reference(q, cache, meta, D ** -0.5), 1e-4)
+    assert launch_plan.PLANS.misses == before and len(launch_plan.PLANS) == 0
+
+
+def test_hooks_set_follows_tritons_hook_chains(monkeypatch):
+    from triton import knobs
+    hook = lambda metadata: None  # noqa: E731
+    assert not fast_launch.hooks_set()
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert fast_launch.hooks_set()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not fast_launch.hooks_set()
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", hook)  # the older spelling: a plain callable
+    assert fast_launch.hooks_set()
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    assert not fast_launch.hooks_set()
+
+
+def _scale_add(x_ptr, y_ptr, n, alpha, BLOCK: int = 64, FLAG: bool = False):
+    pass  # never compiled: the fake kernel only binds its signature
+
+
+def test_exact_key_hits_only_identical_calls(fake):
+    log = []
+    k = fake_kernel(_scale_add, log)
+    x, y = torch.zeros(64), torch.zeros(64)
+
+    def call(*args, grid=(4,), **kwargs):
+        n = len(log)
+        fast_launch.launch(k, grid, *args, **kwargs)
+        return len(log) > n  # True: went through the JIT
+    assert call(x, y, 64, 0.5, BLOCK=32)
+    assert not call(x, y, 64, 0.5, BLOCK=32)
+    # the direct launch passed what the JIT passed (defaults applied, constexprs included)
+    jit, direct = k.compiled.calls[-2:]
+    assert direct == as_launched(jit) and direct[-1] is False and direct[3] == STREAM
+    for changed in [dict(args=(y, x, 64, 0.5)), dict(args=(x, y, 65, 0.5)), dict(args=(x, y, 64, 0.25)),
+                    dict(args=(x, y, 64, 0.5), grid=(5,)), dict(args=(x, y, 64, 0.5), kwargs=dict(BLOCK=64)),
+                    dict(args=(x, y, 64, 0.5), kwargs=dict(BLOCK=32, num_warps=8)),
+                    dict(args=(x, y, True, 0.5)), dict(args=(x, y, 1, 0.5)), dict(args=(x, y, 1.0, 0.5)),
+                    dict(args=(x, y, 64, -0.0)), dict(args=(x, y, 64, 0.0)),
+                    dict(args=(x.view(torch.int32), y, 64, 0.5))]:
+        kw = changed.get("kwargs", dict(BLOCK=32))
+        assert call(*changed["args"], grid=changed.get("grid", (4,)), **kw), f"{changed} must miss"
+    assert len(fast_launch._EXACT) == 4  # the LRU bound
+    assert not call(x.view(torch.int32), y, 64, 0.5, BLOCK=32)  # the latest: still there
+    assert call(x, y, 64, 0.5, BLOCK=32)  # the first: evicted
+
+
+def test_not_recorded(fake, monkeypatch):
+    log = []
+    k = fake_kernel(_scale_add, log)
+    x = torch.zeros(8)
+
+    def twice(*args):
+        for _ in range(2):
+            fast_launch.launch(k, (1,), *args)
+    twice(x, x, 8, (1, 2))               # a tuple argument
+    monkeypatch.setattr(fast_launch, "hooks_set", lambda: True)  # a profiler's launch hooks
+    twice(x, x, 8, 1.0)
+    monkeypatch.setattr(fast_launch, "hooks_set", lambda: False)
+    monkeypatch.setattr(fast_launch, "_as_arg", fake)  # the real one: a CPU tensor is no pointer
+    twice(x, x, 8, 1.0)
+    assert len(log) == 6 and len(fast_launch._EXACT) == 0
+    k.pre_run_hooks.append(lambda *a, **kw: None)
+    twice(x, x, 8, 1.0)
+    assert len(log) == 8 and len(fast_launch._EXACT) == 0
+
+
+# ---- unified_attention's plans ------------------------------------------------------------------
+
+@pytest.fixture
+def fake_attention(fake, monkeypatch):
+    log = []
+    main = fake_kernel(triton_attention._unified_attention_kernel.fn, log)
+    merge = fake_kernel(triton_attention._merge_splits_kernel.fn, log)
+    merge.compiled.function = 0xF1
+    monkeypatch.setattr(triton_attention, "_unified_attention_kernel", main)
+    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", merge)
+    monkeypatch.setattr(triton_attention, "_COUNTERS", {})
+    return log, main.compiled, merge.compiled
+
+
+def batch(R=3, T=5, Hq=4, Hk=2, D=32, bs=16, dtype=torch.bfloat16):
+    q = torch.randn(T, Hq, D).to(dtype)
+    out = torch.empty(T, Hq, D, dtype=dtype)
+    cache = torch.randn(2, 9, bs, Hk, D).to(dtype)
+    qsl = torch.arange(R + 1, dtype=torch.int32)
+    lens = torch.full((R,), 40, dtype=torch.int32)
+    table = torch.arange(R * 4, dtype=torch.int32).view(R, 4)
+    return q, cache, out, qsl, lens, table
+
+
+def attend(b, R=3, max_query_len=1, splits=1, tuning=None):
+    q, cache, out, qsl, lens, table = b
+    triton_attention.unified_attention(q, cache, out, qsl, lens, table, R, max_query_len, 0.125, splits,
+                                       tuning=tuning)
+
+
+def normalised(call: tuple, part_slots: tuple) -> tuple:
+    """A launcher call with the fresh-per-call partial buffer's addresses named, not numbered
+    (part_lse must start where the plan says, after part_out); tensors as their addresses."""
+    args = list(as_launched(call))
+    if part_slots:
+        po, pl = (args[9 + i] for i in part_slots)
+        args[9 + part_slots[0]], args[9 + part_slots[1]] = "part_out", ("part_out +", pl - po)
+    return tuple(args)
+
+
+@pytest.mark.parametrize("splits,tuning", [(1, None), (3, None), (3, triton_attention.DecodeTuning(fused_merge=True))],
+                         ids=["unsplit", "merge_kernel", "fused_merge"])
+def test_plan_launches_what_the_jit_launched(fake_attention, splits, tuning):
+    log, main, merge = fake_attention
+    b = batch()
+    attend(b, splits=splits, tuning=tuning)
+    with_merge = splits > 1 and tuning is None
+    assert len(log) == 1 + with_merge and launch_plan.PLANS.misses == 1
+    for _ in range(3):
+        attend(b, splits=splits, tuning=tuning)
+    assert len(log) == 1 + with_merge and launch_plan.PLANS.misses == 1  # then all direct
+    assert len(main.calls) == 4 and len(merge.calls) == (4 if with_merge else 0)
+    main_part, merge_part = ((6, 7), (0, 1)) if splits > 1 else ((), ())
+    jit = normalised(main.calls[0], main_part)
+    assert all(normalised(c, main_part) == jit for c in main.calls[1:])
+    if splits > 1:
+        assert jit[9 + 7] == ("part_out +", splits * 16 * 4 * 32 * 4)  # t_pad 16, Hq 4, D 32, fp32
+    if with_merge:
+        jit = normalised(merge.calls[0], merge_part)
+        assert all(normalised(c, merge_part) == jit for c in merge.calls[1:])
+        for m, c in zip(main.calls, merge.calls):  # the merge reads the partials its main call wrote
+            assert as_launched(m)[9 + 6] == as_launched(c)[9]
+
+
+def test_plan_keys(fake_attention):
+    log, main, _ = fake_attention
+    b = batch()
+    attend(b)
+    n = len(log)
+    q2 = torch.randn(5, 4, 32).to(torch.bfloat16)  # another address, same layout: a hit
+    attend((q2,) + b[1:])
+    assert len(log) == n and main.calls[-1][9] == q2.data_ptr() and launch_plan.PLANS.misses == 1
+    misses = 1
+    for changed in [dict(R=2), dict(max_query_len=2), dict(splits=2),
+                    dict(tuning=triton_attention.DecodeTuning(tile_n=32))]:
+        attend(b, **changed)
+        misses += 1
+        assert launch_plan.PLANS.misses == misses and len(log) > n, f"{changed} must miss"
+        n = len(log)
+    for b2 in [batch(T=6), batch(dtype=torch.float16), batch(Hq=8), batch(D=64),
+               (b[0].transpose(0, 1).contiguous().transpose(0, 1),) + b[1:]]:  # strides
+        attend(b2)
+        misses += 1
+        assert launch_plan.PLANS.misses == misses
+    assert len(launch_plan.PLANS) == 4  # the LRU bound
+
+
+def test_misaligned_pointers_always_take_the_jit(fake_attention):
+    log, _, _ = fake_attention
+    q, cache, out, qsl, lens, table = batch(R=2)
+    odd = torch.arange(4, dtype=torch.int32)[1:]  # 4 bytes past an aligned start
+    for _ in range(3):
+        attend((q, cache, out, odd, lens, table), R=2)
+    assert len(log) == 3 and len(launch_plan.PLANS) == 0
+
+
+def test_hooks_and_switch_take_the_jit(fake_attention, monkeypatch):
+    log, _, _ = fake_attention
+    b = batch()
+    attend(b)
+    monkeypatch.setattr(fast_launch, "hooks_set", lambda: True)
+    attend(b)
+    assert len(log) == 2
+    monkeypatch.setattr(fast_launch, "hooks_set", lambda: False)
+    monkeypatch.setattr(fast_launch, "ENABLED", False)
+    attend(b)
+    assert len(log) == 3
