@@ -1,6 +1,6 @@
 """Micro-benchmark of the fused kernels on a CUDA GPU: one table, optionally a JSON file.
 
-    python scripts/bench_kernels.py [--json PATH] [--only attention,graph_split,argmax] [--attention-sweep none|quick|full]
+    python scripts/bench_kernels.py [--json PATH] [--only attention,graph_split,argmax,rope_attention] [--attention-sweep none|quick|full]
 
 Memory-bound kernels (add+RMSNorm, SiLU-and-mul) are measured against the copy ceiling, the fused
 MoE against the time to read its active experts' weights once at that ceiling (its floor for
@@ -9,7 +9,8 @@ CUDA-graph replays with the L2 flushed before every call (see time_us): what a g
 Attention rotates input sets instead (AttentionShape: no call finds its KV in L2) and ends with
 a sweep of decode launch variants (sweep_rows), each row checked against the torch reference.
 `graph_split` times batch-1 decode attention as the full decode graphs launch it, 1 split against
-the bucket's split count (graph_split_rows).
+the bucket's split count (graph_split_rows); `rope_attention` the RoPE + KV write fused into that
+decode attention against the two launches (pcg_engine/bench/rope_attention.py).
 """
 
 import argparse
@@ -367,6 +368,11 @@ def graph_split_rows():
     return rows
 
 
+def rope_attention_section():
+    from pcg_engine.bench.rope_attention import rope_attention_rows
+    return rope_attention_rows(time_us, row)
+
+
 def print_table(rows, title):
     from rich.console import Console
     from rich.table import Table
@@ -400,7 +406,7 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name()
     sections = dict(norm=norm_rows, activation=activation_rows, moe=moe_rows,
                     attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows,
-                    argmax=argmax_rows_section)
+                    argmax=argmax_rows_section, rope_attention=rope_attention_section)
     rows = []
     for name in args.only.split(","):
         rows += sections[name.strip()]()

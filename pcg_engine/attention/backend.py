@@ -44,10 +44,11 @@ class AttentionBackend:
         raise NotImplementedError
 
     @contextmanager
-    def capturing(self):
+    def capturing(self, fuse_rope: bool = False):
         """Around the capture of CUDA graphs that hold forward() (and the eager stand-in for their
         replays): launch choices from the bucket's host values only. A no-op where forward() has
-        no per-step choice."""
+        no per-step choice. fuse_rope (the full decode graphs over the eager model): the backend may
+        defer rope_and_write_kv into the forward() that follows it, returning a placeholder for q."""
         yield self
 
     def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True, graphed: bool | None = None):

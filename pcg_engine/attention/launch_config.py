@@ -135,6 +135,9 @@ class KernelVariant(NamedTuple):
     splits_pad: int    # ... the merge kernel's power-of-two pad of num_splits (else 0)
     fused_merge: bool  # ... the main kernel's last program of each (q-block, kv head), or a kernel
     merge_chunk: int   # splits a load of that fused merge (0 without it)
+    # The full decode graphs' launch with the RoPE + KV write fused in (rope_decode_attention.py):
+    # set by the Triton backend, never by kernel_variant below.
+    rope_fused: bool = False
 
 
 def kernel_variant(num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,

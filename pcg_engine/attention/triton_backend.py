@@ -13,9 +13,21 @@ stored in the step's metadata by its first attention call.
 
 In piecewise mode the RoPE + KV write runs inside the pieces' graphs (attention/op.py); only
 forward() runs between pieces, once per layer.
+
+Fused RoPE (rope_decode_attention.py), in the full decode graphs only (`capturing(fuse_rope=True)`,
+which FullDecodeGraphs enters around the eager model): rope_and_write_kv launches nothing and
+returns a placeholder for the rotated q, keeping its raw inputs; the next forward() (the same
+layer's attention op, the next call the model makes) launches the decode attention that normalises
+and rotates q and k and writes k, v itself, one launch a layer fewer. A step that is not one decode
+token a request runs the deferred rope_kv launch there instead, into the placeholder, then attention
+as usual. Eager forwards only: the raw q, k, v stay valid between the two ops because this backend
+holds them, which an Inductor graph that reuses its buffers would not respect. PCG_FUSED_ROPE_ATTENTION=0
+(read at import) keeps the two launches, for A/B runs.
 """
 
+import os
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -23,8 +35,25 @@ from pcg_engine.attention.backend import AttentionBackend
 from pcg_engine.attention.launch_config import (GRAPH_SPLIT_DECODE_TUNING, choose_num_splits, graph_num_splits,
                                                  kernel_variant)
 from pcg_engine.attention.metadata import AttentionMetadata
+from pcg_engine.attention.rope_decode_attention import rope_decode_attention
 from pcg_engine.attention.rope_kv import rope_and_write_kv
 from pcg_engine.attention.triton_attention import unified_attention
+
+FUSED_ROPE_ATTENTION = os.environ.get("PCG_FUSED_ROPE_ATTENTION", "1") != "0"
+
+
+class _DeferredRope(NamedTuple):
+    """rope_and_write_kv's arguments, kept for the attention call that follows it."""
+    q_rot: torch.Tensor   # the placeholder returned for the rotated q: that call's q
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -36,16 +65,21 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         self.allow_split_kv = allow_split_kv  # False: never split (either policy)
         self.graphed = False                  # inside capturing()
+        self.fuse_rope = False                # inside capturing(fuse_rope=True), switch on
+        self._deferred: _DeferredRope | None = None
 
     @contextmanager
-    def capturing(self):
+    def capturing(self, fuse_rope: bool = False):
         """Around a CUDA-graph capture of forwards (and whatever stands in for its replays): split
-        counts from the bucket's host values (graph_num_splits), never from max_seq_len."""
-        previous, self.graphed = self.graphed, True
+        counts from the bucket's host values (graph_num_splits), never from max_seq_len. fuse_rope:
+        decode steps fuse the RoPE + KV write into attention (module docstring; eager forwards only)."""
+        previous = self.graphed, self.fuse_rope
+        self.graphed, self.fuse_rope = True, fuse_rope and FUSED_ROPE_ATTENTION
         try:
             yield self
         finally:
-            self.graphed = previous
+            self.graphed, self.fuse_rope = previous
+            self._deferred = None   # a forward that failed half-way leaves nothing for the next
 
     def split_launch(self, meta: AttentionMetadata, graphed: bool | None = None):
         """(num_splits, tuning) of a step: tuning None is the module defaults (launch_config)."""
@@ -62,10 +96,22 @@ class TritonAttentionBackend(AttentionBackend):
         return self.split_launch(meta, graphed)[0]
 
     def kernel_variant(self, meta: AttentionMetadata, split_kv: bool = True, graphed: bool | None = None):
-        # The fused RoPE + KV write has one variant per model (T sets only its grid).
+        # The fused RoPE + KV write has one variant per model (T sets only its grid). graphed=True
+        # is the full decode graphs, which fuse RoPE into decode attention when the switch is on.
         splits, tuning = self.split_launch(meta, graphed) if split_kv else (1, None)
-        return kernel_variant(self.num_heads, self.num_kv_heads, self.head_dim, meta.max_query_len, splits,
-                              tuning)
+        variant = kernel_variant(self.num_heads, self.num_kv_heads, self.head_dim, meta.max_query_len, splits,
+                                 tuning)
+        fuse = self.fuse_rope if graphed is None else graphed and FUSED_ROPE_ATTENTION
+        if split_kv and fuse and self.fusable(meta, tuning):
+            variant = variant._replace(rope_fused=True)
+        return variant
+
+    @staticmethod
+    def fusable(meta: AttentionMetadata, tuning) -> bool:
+        """Whether rope_decode_attention can run the step: one decode token a request (T == R, as
+        the full decode graphs' metadata has it) and the split merge as a kernel."""
+        return (meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs >= 1
+                and not (tuning is not None and tuning.fused_merge))
 
     def rope_and_write_kv(self, q, k, v, positions, kv_cache, slot_mapping, q_norm=None, k_norm=None,
                           eps: float = 1e-6) -> torch.Tensor:
@@ -73,6 +119,14 @@ class TritonAttentionBackend(AttentionBackend):
         # runner's static buffer, so a replay reads this step's slots. The rotated q is a new
         # tensor (graph memory in a piece); writing it into the attention's `out` would make that
         # buffer both the op's input and its mutated output.
+        if self.fuse_rope:
+            # Deferred to the attention call (module docstring). A write still pending means an
+            # attention call went missing: its layer's KV would be lost, so fail here.
+            if self._deferred is not None:
+                raise RuntimeError("rope_and_write_kv: the previous deferred RoPE + KV write had no attention call")
+            q_rot = q.new_empty(q.shape)
+            self._deferred = _DeferredRope(q_rot, q, k, v, positions, kv_cache, slot_mapping, q_norm, k_norm, eps)
+            return q_rot
         return rope_and_write_kv(q, k, v, positions, self.cos_sin, kv_cache, slot_mapping, q_norm=q_norm,
                                  k_norm=k_norm, eps=eps)
 
@@ -86,5 +140,18 @@ class TritonAttentionBackend(AttentionBackend):
             splits, tuning = meta.num_splits, None
             if splits is None:
                 splits = meta.num_splits = self.split_launch(meta)[0]
+        deferred = self._deferred
+        if deferred is not None:
+            self._deferred = None
+            if q.data_ptr() != deferred.q_rot.data_ptr() or kv_cache.data_ptr() != deferred.kv_cache.data_ptr():
+                raise RuntimeError("attention: a deferred RoPE + KV write is pending for another q or KV cache")
+            d = deferred
+            if self.fusable(meta, tuning):
+                rope_decode_attention(d.q, d.k, d.v, d.positions, self.cos_sin, kv_cache, d.slot_mapping, out,
+                                      meta.seq_lens, meta.block_table, meta.num_reqs, self.scale, splits,
+                                      d.q_norm, d.k_norm, d.eps, tuning=tuning)
+                return
+            rope_and_write_kv(d.q, d.k, d.v, d.positions, self.cos_sin, kv_cache, d.slot_mapping, q_out=q,
+                              q_norm=d.q_norm, k_norm=d.k_norm, eps=d.eps)
         unified_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
                           meta.num_reqs, meta.max_query_len, self.scale, splits, tuning=tuning)

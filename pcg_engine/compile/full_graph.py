@@ -12,7 +12,11 @@ count from the bucket (launch_config.graph_num_splits: batch 1 splits each head'
 an H200), never from a step's max_seq_len.
 
 By default the captured forward is the eager model (its kernels are the fused ones on CUDA);
-`forward=` may pass another one (e.g. a compiled forward inside `GraphPool.no_graphs()`).
+`forward=` may pass another one (e.g. a compiled forward inside `GraphPool.no_graphs()`). With the
+eager model, decode attention also does the RoPE + KV write (`capturing(fuse_rope=True)`: one
+launch a layer fewer, attention/rope_decode_attention.py); another forward keeps the two launches,
+since the Triton backend then holds the raw q, k, v between two ops, which compiled code may not
+leave alone.
 """
 
 import time
@@ -46,6 +50,7 @@ class FullDecodeGraphs:
             raise ValueError(f"decode_buckets: none of {wanted} is within 1..{limit} (max_num_seqs)")
         self.pool = pool if pool is not None else GraphPool(runner.device)
         self.forward = forward or runner.model.forward
+        self.fuse_rope = forward is None
         self.warmups = warmups
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -89,7 +94,7 @@ class FullDecodeGraphs:
         t0 = time.perf_counter()
         task = progress.add_task("full decode graphs", total=len(self.buckets)) if progress is not None else None
         # PDL (kernels/pdl.py) in the whole-step graphs only: their warm-up runs compile its variants.
-        with self.runner.backend.capturing(), pdl.scope():
+        with self.runner.backend.capturing(fuse_rope=self.fuse_rope), pdl.scope():
             for bucket in sorted(self.buckets, reverse=True):
                 self._dummy_batch(bucket)
                 graph, out = capture(self.pool, self._forward, bucket, warmups=self.warmups)
@@ -115,5 +120,5 @@ class FullDecodeGraphs:
             self.replays += 1
             return self.outputs[bucket]
         # No graph (CPU, or capture skipped): the same computation on the same buffers, eagerly.
-        with self.runner.backend.capturing():
+        with self.runner.backend.capturing(fuse_rope=self.fuse_rope):
             return self._forward(bucket)

@@ -174,6 +174,8 @@ def test_serving_after_warmup_launches_nothing_new(preset, mode, tiny_paths, rec
     warmed = set(record_launches)
     names = {k[0] for k in warmed}
     assert {"_rope_kv_kernel", "_unified_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel"} <= names
+    if mode == "full_decode":   # decode steps of the full graphs: RoPE + KV write fused into attention
+        assert "_rope_decode_attention_kernel" in names
     record_launches.clear()
     rng = random.Random(1)
     lengths = [rng.choice([1, 2, 3, 7, 9, 16, 17, 33, 64, 65, 130, 300, 700]) for _ in range(12)]
