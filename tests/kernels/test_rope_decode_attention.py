@@ -2,8 +2,9 @@
 
 The reference path is what the full decode graphs ran before: rope_and_write_kv (rope_kv.py) then
 unified_attention with the graphed decode launch's split count and tuning. The fused kernel must
-give the same rotated q and the same cache contents bit for bit (real blocks, the scratch block of
-slot -1, padding rows), and the same attention output up to the order of float sums; padding
+give the same rotated q and the same cache contents (real blocks, the scratch block of slot -1,
+padding rows) bit for bit (in the interpreter, and on the GPU at the real shapes: compare's
+docstring), and the same attention output up to the order of float sums; padding
 requests (seq_len 0) and rows past the last request are exactly zero. Fresh random data every run,
 outputs poisoned (NaN) before each call. On the CPU the kernels run in Triton's interpreter at tiny
 shapes; the gpu-marked tests run Qwen3-0.6B / 8B attention shapes in bf16, and inside a CUDA graph
@@ -49,11 +50,11 @@ def make_step(lens, pad_rows, Hq, Hk, D, bs, dtype, width=None, device=DEVICE):
         if s > 0:
             positions[r] = s - 1
             slots[r] = int(table[r, (s - 1) // bs]) * bs + (s - 1) % bs
-    qkv = torch.randn(T, (Hq + 2 * Hk) * D).to(dtype).to(device)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, device=device).to(dtype)
     q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
     return dict(
         q=q.view(T, Hq, D), k=k.view(T, Hk, D), v=v.view(T, Hk, D), positions=positions.to(device),
-        slots=slots.to(device), cache=torch.randn(2, num_blocks, bs, Hk, D).to(dtype).to(device),
+        slots=slots.to(device), cache=torch.randn(2, num_blocks, bs, Hk, D, device=device).to(dtype),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_table=table.to(device),
         qsl=torch.arange(R + 1, dtype=torch.int32, device=device), num_reqs=R,
         q_norm=(torch.rand(D) + 0.5).to(dtype).to(device), k_norm=(torch.rand(D) + 0.5).to(dtype).to(device),
@@ -92,27 +93,24 @@ def scratch_candidates(s):
     return found
 
 
-def bit_exact_expected(s) -> bool:
-    """Whether q and k must match rope_kv's bit for bit. Always in the interpreter. On a GPU the
-    fp32 sum of squares of the norm is summed in an order set by the register layout, which
-    follows the shape and the warp count: the same as rope_kv's where rope_kv runs 4 warps, as the
-    fused kernel does (Hq * D >= 2048: Qwen3-0.6B / 8B); the tiny shapes may differ in the last bit."""
-    return DEVICE == "cpu" or s["q"].shape[1] * s["q"].shape[2] >= 2048
-
-
 def same(got, want, exact, what):
     if exact:
         assert torch.equal(got, want), f"{what} differs in {(got != want).sum()} of {got.numel()} elements"
-    else:  # one rounding step of the storage dtype
+    else:  # a rounding step or two of the storage dtype (values are O(1) after the norm)
         eps = torch.finfo(got.dtype).eps
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 * eps, atol=2 * eps, msg=what)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * eps, atol=8 * eps, msg=what)
 
 
-def compare(s, splits, tol):
-    """Fused against the two launches: q and the cache exact, out within tol, padding zero."""
+def compare(s, splits, tol, exact=None):
+    """Fused against the two launches: q and the cache exact (see below), out within tol, padding zero.
+
+    exact (default: in the interpreter): q and k bit for bit. On a GPU the norm's fp32 sum of
+    squares is summed in an order set by the register layout, which follows the shape and the
+    warp count; the fused kernel sums rope_kv's shapes with rope_kv's 4 warps at the real shapes
+    (test_gpu_rope_bit_identical), while at tiny shapes rope_kv runs 1 warp and may differ by a bit."""
     ref_q, ref_cache, ref_out = two_kernels(s, splits)
     q_out, cache, out = fused(s, splits)
-    exact = bit_exact_expected(s)
+    exact = DEVICE == "cpu" if exact is None else exact
     real = s["slots"] >= 0
     same(q_out[real], ref_q[real], exact, "rotated q")
     assert torch.isfinite(q_out).all(), "a row's rotated q was not computed"
@@ -178,11 +176,21 @@ REAL_LENS = [1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 383, 384, 385, 1023, 1
 @pytest.mark.parametrize("Hq", [16, 32])
 def test_gpu_fused_matches_two_kernels_real_shapes(Hq, bucket):
     """Qwen3-0.6B (Hq 16) / 8B (Hq 32) attention shapes, bf16, the graphed split count of the bucket
-    on this GPU; q and the cache must be bit-identical (same roundings, same sum shapes)."""
+    on this GPU (16 at bucket 1 on an H200, 1 at bucket 16)."""
     splits = launch_config.graph_num_splits(bucket, 8, 1, torch.device("cuda"))
     for i in range(0, len(REAL_LENS), bucket):
         lens = (REAL_LENS[i:i + bucket] + [0] * bucket)[:bucket]
         compare(make_step(lens, 0, Hq, 8, 128, 16, torch.bfloat16), splits, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq", [16, 32])
+def test_gpu_rope_bit_identical(Hq):
+    """The claim that the fused path changes no bit of q or the cache at the real shapes (a failure
+    here alone, with the test above passing, is a difference in the order of the norm's fp32 sum)."""
+    splits = launch_config.graph_num_splits(4, 8, 1, torch.device("cuda"))
+    for lens in ([1, 17, 384, 0], [8192, 1024, 65, 2]):
+        compare(make_step(lens, 0, Hq, 8, 128, 16, torch.bfloat16), splits, 1e-2, exact=True)
 
 
 @pytest.mark.gpu

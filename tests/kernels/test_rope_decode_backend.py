@@ -107,7 +107,7 @@ def test_full_graph_decode_fuses_the_rope_launch(h200_sms, calls, record_launche
         if DEVICE == "cpu":
             assert torch.equal(cache, ref_cache), f"{lens}: the cache differs from the two launches'"
         else:
-            torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
         check(out, ref_out.float(), 1e-5)
         assert backend._deferred is None
     if record_launches is not None:   # a replay relaunches the captured grid: nothing may follow seq_lens
