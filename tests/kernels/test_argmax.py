@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import ON_GPU
 
 from pcg_engine.kernels.argmax import CHUNK, argmax_rows
 
+ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
