@@ -32,7 +32,7 @@ M1_CONFIGS = ([SkinnyConfig(bn, bk, True, 4, st) for bn in (16, 32, 64) for bk i
 DOT_CONFIGS = [SkinnyConfig(bn, bk, True, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
 # 32-128 rows (--rows 32,64,128): shorter K slices keep the [rows, BLOCK_K] tile in shared memory
 WIDE_DOT_CONFIGS = [SkinnyConfig(bn, bk, True, w, st) for bn in (16, 32, 64, 128) for bk in (64, 128)
-                    for st in (3, 4) for w in (4, 8)]
+                    for st in (2, 3, 4) for w in (4, 8)]
 
 
 def ring_time_us(fn_for, weights, reps: int = 20) -> float:
