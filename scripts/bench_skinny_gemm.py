@@ -30,9 +30,6 @@ M1_CONFIGS = ([SkinnyConfig(bn, bk, True, 4, st) for bn in (16, 32, 64) for bk i
                  for w in (4,)]
               + [SkinnyConfig(bn, 1024, False, 8, 3) for bn in (8, 16)])
 DOT_CONFIGS = [SkinnyConfig(bn, bk, True, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
-# 32-128 rows (--rows 32,64,128): shorter K slices keep the [rows, BLOCK_K] tile in shared memory
-WIDE_DOT_CONFIGS = [SkinnyConfig(bn, bk, True, w, st) for bn in (16, 32, 64, 128) for bk in (64, 128)
-                    for st in (2, 3, 4) for w in (4, 8)]
 
 
 def ring_time_us(fn_for, weights, reps: int = 20) -> float:
@@ -80,8 +77,7 @@ def main(argv=None) -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ weights[0].float().T
             cublas = ring_time_us(lambda w: F.linear(x, w), weights)
-            configs = (M1_CONFIGS if m == 1 else list(dict.fromkeys(best_m1[:4] + DOT_CONFIGS)) if m <= 16
-                       else WIDE_DOT_CONFIGS)
+            configs = M1_CONFIGS if m == 1 else list(dict.fromkeys(best_m1[:4] + DOT_CONFIGS))
             timed = []
             for cfg in configs:
                 if not cfg.use_dot and m * cfg.block_n * cfg.block_k > 16384:

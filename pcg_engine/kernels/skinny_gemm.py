@@ -34,9 +34,7 @@ from pcg_engine.kernels.activation import silu_and_mul
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 from pcg_engine.kernels.norm import add_rms_norm
 
-# Rows the kernel accepts. Which row counts take it is TUNED's business: up to 16 rows so far; 17-128
-# rows (P2's mid-size decode batches, where cuBLAS reads 0.6B's weights at ~1.6 TB/s) are being measured.
-MAX_M = 128
+MAX_M = 16   # more rows than this and the projection is no longer weight-bound enough to matter
 
 
 @triton.jit

@@ -40,7 +40,7 @@ def test_strided_rows_and_half_precision(device):
 
 def test_rejects_more_rows_than_the_maximum(device):
     x = torch.randn(sg.MAX_M + 1, 16, device=device)
-    with pytest.raises(ValueError, match=f"M <= {sg.MAX_M}"):
+    with pytest.raises(ValueError, match="M <= 16"):
         skinny_gemm(x, torch.randn(16, 16, device=device), SkinnyConfig(16, 16, True))
 
 
