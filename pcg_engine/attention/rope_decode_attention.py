@@ -125,7 +125,7 @@ def _rope_decode_attention_kernel(
             tl.store(dst + HALF, q2, mask=row_ok[:, None])
         # k of every kv head normalised and rotated exactly as rope_kv does; this head's row written.
         hk = tl.arange(0, HK_PAD)[:, None]
-        k_k_src = k_ptr + tok * stride_kt + hk * stride_kh + d2[None, :]
+        k_src = k_ptr + tok * stride_kt + hk * stride_kh + d2[None, :]
         y1 = tl.load(k_src, mask=hk < NUM_KV_HEADS, other=0.0).to(tl.float32)
         y2 = tl.load(k_src + HALF, mask=hk < NUM_KV_HEADS, other=0.0).to(tl.float32)
         if NORM:
