@@ -139,8 +139,8 @@ def test_switch_and_variants(h200_sms, monkeypatch):
     assert not backend.kernel_variant(meta, graphed=False).rope_fused
     assert not backend.kernel_variant(padded, graphed=True).rope_fused
     # large decode buckets run one split: there the two launches stay (the fused prologue slowed
-    # the attention loop, session 5); the bucket of 16 requests gives one split on 132 SMs x 8 kv heads
-    big = bucket_meta(16, 16, 40960)
+    # the attention loop, session 5); a bucket of 128 requests gives one split on 132 SMs
+    big = bucket_meta(128, 4, 40960)
     assert backend.num_splits(big, graphed=True) == 1 and not backend.kernel_variant(big, graphed=True).rope_fused
     # the fused variant is its own warm-up key, otherwise the same launch choices
     assert backend.kernel_variant(meta, graphed=True) != backend.kernel_variant(meta, graphed=True)._replace(
