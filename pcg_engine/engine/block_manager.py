@@ -19,6 +19,7 @@ from hashlib import sha256
 
 import numpy as np
 
+from pcg_engine.engine.bulk_publish import publish_rows
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
 
 SCRATCH_BLOCK = 0
@@ -32,17 +33,28 @@ def hash_block(parent: bytes | None, tokens) -> bytes:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "tokens")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "_tokens")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = None          # set while published in the prefix cache
         self.parent_hash = None
-        self.tokens = None        # tuple, kept to verify lookups
+        self._tokens = None       # kept to verify lookups: a tuple, or its int64 bytes (bulk_publish.py)
+
+    @property
+    def tokens(self) -> tuple | None:
+        tokens = self._tokens
+        if tokens.__class__ is bytes:
+            tokens = self._tokens = tuple(memoryview(tokens).cast("q"))
+        return tokens
+
+    @tokens.setter
+    def tokens(self, value) -> None:
+        self._tokens = value
 
     def forget(self) -> None:
-        self.hash = self.parent_hash = self.tokens = None
+        self.hash = self.parent_hash = self._tokens = None
 
 
 class BlockManager:
@@ -62,7 +74,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}        # chained hashes of each request's known full blocks
-        self._blocks_view = None                          # (token array, its blocks view): cache_full_blocks_rows
+        self._blocks_view = None                          # (token array, its blocks view): bulk_publish.py
 
     # Sizes ---------------------------------------------------------------------------------------
 
@@ -268,65 +280,12 @@ class BlockManager:
 
     def cache_full_blocks_rows(self, requests, token_ids: np.ndarray, rows: np.ndarray,
                                num_full: np.ndarray) -> None:
-        """cache_full_blocks for requests bound to rows of one token array, in one go.
-
-        requests[i] holds its tokens in token_ids[rows[i]] and has num_full[i] full blocks of computed
-        tokens (min(computed, tokens) // block_size). The decode step's case, one new full block per
-        request, is done here with the same hashes as cache_full_blocks: the blocks' tokens are
-        gathered from the rows by one numpy indexing, checked for placeholders by one comparison, and
-        hash_block's bytes (native int64, as array("q")) come from one tobytes(), so what is left per
-        block is the sha256 and the dict updates. Any other request (several blocks to publish, or
-        none) goes through cache_full_blocks.
-        """
-        if not self.enable_prefix_caching or not len(requests):
-            return
-        bs, hashes_of, tables, blocks = self.block_size, self._hashes, self._tables, self.blocks
-        hash_fn, hash_to_block = self.hash_fn, self._hash_to_block
-        full = num_full.tolist()
-        # Each request's last full block (index -1, any block, where it has none: not read then).
-        chunks = self._blocks_of(token_ids)[rows, num_full - 1]
-        held = (chunks == PLACEHOLDER).any(axis=1).tolist()
-        lists = chunks.tolist()
-        fast = hash_fn is hash_block and chunks.dtype == np.int64     # array("q")'s bytes
-        data = memoryview(chunks.tobytes()) if fast else None
-        width = bs * chunks.itemsize
-        at = 0
-        for request, n, is_held, tokens in zip(requests, full, held, lists):
-            at += width
-            rid = request.request_id
-            hashes = hashes_of.get(rid)
-            if hashes is None:
-                continue
-            table = tables[rid]
-            if len(hashes) != n - 1 or n > len(table):
-                if len(hashes) < min(n, len(table)):
-                    self.cache_full_blocks(request)      # several blocks wait: the general path
-                continue
-            if is_held:
-                continue                                 # published once the placeholder is resolved
-            if hashes:
-                parent = hashes[-1]
-                h = sha256(parent + data[at - width:at]).digest() if fast else hash_fn(parent, tokens)
-            else:
-                parent = None
-                h = sha256(data[at - width:at]).digest() if fast else hash_fn(None, tokens)
-            hashes.append(h)
-            block = blocks[table[n - 1]]
-            # Same content computed twice (or a collision): keep the first copy, leave this one private.
-            if block.hash is None and h not in hash_to_block:
-                block.hash, block.parent_hash, block.tokens = h, parent, tuple(tokens)
-                hash_to_block[h] = block.block_id
-
-    def _blocks_of(self, token_ids: np.ndarray) -> np.ndarray:
-        """token_ids [R, W] seen as [R, W // block_size, block_size] blocks (a view, kept per array)."""
-        cached = self._blocks_view
-        if cached is None or cached[0] is not token_ids:
-            bs = self.block_size
-            r, w = token_ids.strides
-            view = np.lib.stride_tricks.as_strided(token_ids, (token_ids.shape[0], token_ids.shape[1] // bs, bs),
-                                                   (r, bs * w, w), writeable=False)
-            cached = self._blocks_view = (token_ids, view)
-        return cached[1]
+        """cache_full_blocks for requests bound to rows of one token array, in one go
+        (bulk_publish.py): requests[i] holds its tokens in token_ids[rows[i]] and has num_full[i]
+        full blocks of computed tokens (min(computed, tokens) // block_size)."""
+        if self.enable_prefix_caching and len(requests):
+            publish_rows(self, requests, token_ids, rows, num_full,
+                         None if self.hash_fn is hash_block else self.hash_fn)
 
     # Addressing ----------------------------------------------------------------------------------
 

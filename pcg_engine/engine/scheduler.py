@@ -340,8 +340,11 @@ class Scheduler:
                 before = state.num_computed[rows]
                 after = before + scheduled.num_new
                 filled = np.flatnonzero(before // bs != after // bs)
-            elif self.block_manager.enable_prefix_caching:
-                filled = (after % bs == 0).nonzero()[0]
+            else:
+                state.num_computed[rows] = after
+                if self.block_manager.enable_prefix_caching:
+                    self._publish_decoded(scheduled, state, rows, after)
+                return
             state.num_computed[rows] = after
             if self.block_manager.enable_prefix_caching and len(filled):
                 # A block ending in a placeholder is published when that token is resolved
@@ -364,3 +367,22 @@ class Scheduler:
             # placeholder is published when the placeholder is resolved: LLMEngine._resolve).
             if before // bs != after // bs:
                 cache_full_blocks(request)
+
+    def _publish_decoded(self, scheduled, state, rows: np.ndarray, after: np.ndarray) -> None:
+        """Publish the blocks an all-decode step filled: its rows whose token count (= computed
+        count after the step) reached a block's end, one block each."""
+        bs = self.block_manager.block_size
+        filled = (after % bs == 0).nonzero()[0]
+        if not len(filled):
+            return
+        at, end = rows[filled], after[filled]
+        last = state.token_ids[at, end - 1]
+        if last.min() < 0:
+            # A block ending in a placeholder (async: the token in flight) is published when that
+            # token is resolved (placeholders trail, so no earlier block waits): skip it here.
+            keep = (last >= 0).nonzero()[0]
+            if not len(keep):
+                return
+            filled, at, end = filled[keep], at[keep], end[keep]
+        self.block_manager.cache_full_blocks_rows(list(map(scheduled.requests.__getitem__, filled.tolist())),
+                                                  state.token_ids, at, end // bs)

@@ -378,3 +378,22 @@ def test_batched_publishing_matches_per_request(seed, custom_hash):
         per.check_invariants(), bat.check_invariants()
     assert per.num_cached_blocks > 5          # the walk did publish (and so compared) something
     assert not custom_hash or seen
+
+
+def test_batched_publishing_placeholder_test_has_no_false_alarm():
+    """bulk_publish.py tests a block's int64 bytes for a placeholder's eight 0xff bytes: tokens
+    whose low seven bytes are 0xff, side by side, must not look like one (and a real placeholder
+    must). The published block's tokens read back as the tuple the per-request path stores."""
+    big = (1 << 56) - 1                                  # bytes ff ff ff ff ff ff ff 00 (little-endian)
+    for held in (False, True):
+        bm = BlockManager(20, BS)
+        tokens = [big, big, (1 << 62) - 1, PLACEHOLDER if held else big]
+        r = req("a", tokens + [1])
+        assert bm.allocate(r, 5)
+        r.num_computed_tokens = 5
+        rows = np.array([tokens + [1, 0, 0, 0]], dtype=np.int64)
+        bm.cache_full_blocks_rows([r], rows, np.array([0]), np.array([1]))
+        assert bm.num_cached_blocks == (0 if held else 1)
+        if not held:
+            assert bm.blocks[bm.block_table("a")[0]].tokens == tuple(tokens)
+            bm.check_invariants()
