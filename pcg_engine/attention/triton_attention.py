@@ -18,7 +18,7 @@ Split-KV (flash-decoding): with few programs and long contexts, a third grid axi
 program's key range into num_splits equal parts computed on the device from seq_len; partial
 results (normalized output + log2-sum-exp) are merged by a second small kernel, or, with
 fused_merge, by the last program of each (q-block, kv head) to finish: an atomic arrival counter
-in a persistent per-device int32 buffer (_split_counters) that this program resets to 0, which
+in a persistent per-device int32 buffer (split_merge._split_counters) that this program resets to 0, which
 saves a launch and its tail; blocks with no key at all (padding) then skip partials and counter.
 The kernels are graph-safe for any fixed num_splits; the caller chooses num_splits from host
 values: choose_num_splits (the step's max_seq_len) for eager launches, graph_num_splits (the
@@ -50,6 +50,8 @@ import triton.language as tl
 
 from pcg_engine.attention import launch_plan
 from pcg_engine.kernels import fast_launch, pdl
+from pcg_engine.attention.split_merge import (  # noqa: F401  (re-exported: tests, rope_decode_attention)
+    _COUNTERS, _merge_partials, _merge_splits_kernel, _split_counters)
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 # The launch's host-side choices live in launch_config.py; re-exported here, where callers look.
@@ -240,84 +242,6 @@ def _unified_attention_kernel(
     else:
         dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, tok0, n_tok, head0, used,
-                    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    MERGE_CHUNK: tl.constexpr):
-    """out rows (tok0 .. tok0+n_tok) x (head0 .. head0+GROUP) from the `used` splits that have
-    keys, MERGE_CHUNK splits a load. A plain loop, small chunks: the kernel's register count is
-    its largest part's, so a merge that held all partials at once would cut the occupancy of
-    the main loop (an unrolled one made ptxas use 255 registers and spill; see kernel_variant).
-    .cg reads them from L2, where the other programs wrote them, never from this SM's L1."""
-    s = tl.arange(0, MERGE_CHUNK)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    g_ok = g < GROUP
-    for t in range(0, n_tok):
-        tok = (tok0 + t).to(tl.int64)
-        m = tl.full((GROUP_PAD,), -1e30, tl.float32)
-        w_sum = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        for c in range(0, used, MERGE_CHUNK):
-            ok = ((c + s) < used)[:, None] & g_ok[None, :]
-            lse = tl.load(part_lse_ptr + (c + s)[:, None] * stride_ls + tok * stride_lt + head0 + g[None, :],
-                          mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(part_out_ptr + (c + s)[:, None, None] * stride_ps + tok * stride_pt
-                        + (head0 + g)[None, :, None] * stride_ph + d[None, None, :],
-                        mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, 0))  # stays finite: an empty split weighs exp2(-inf) = 0
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new[None, :])
-            w_sum = w_sum * alpha + tl.sum(w, 0)
-            acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
-            m = m_new
-        res = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-        tl.store(out_ptr + tok * stride_ot + (head0 + g)[:, None] * stride_oh + d[None, :],
-                 res.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
-                         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py
-        gdc_wait()
-        gdc_launch_dependents()
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h, mask=s < num_splits,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty -> weights 0, output 0
-    w = tl.exp2(lse - m)
-    o = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
-                mask=(s < num_splits)[:, None], other=0.0)
-    w_sum = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
-
-
-_COUNTERS: dict = {}
-_RETIRED: list = []  # outgrown counter buffers: a captured graph may still point at one
-
-
-def _split_counters(device, n: int) -> torch.Tensor:
-    """Arrival counters of the fused merge, one per (q-block program, kv head): zeros between
-    launches (each launch's merging programs reset theirs), so one buffer per device serves every
-    layer and step. Launches that share it must not overlap: one stream, as the engine runs.
-    A graph capture must not be the call that first needs a larger one (allocation in capture)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # before triton is imported (also done by tes
 import pytest  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from pcg_engine.attention import launch_plan, triton_attention  # noqa: E402
+from pcg_engine.attention import launch_plan, split_merge, triton_attention  # noqa: E402
 from pcg_engine.kernels import fast_launch  # noqa: E402
 
 STREAM = 0x5EED
@@ -173,7 +173,7 @@ def fake_attention(fake, monkeypatch):
     merge.compiled.function = 0xF1
     monkeypatch.setattr(triton_attention, "_unified_attention_kernel", main)
     monkeypatch.setattr(triton_attention, "_merge_splits_kernel", merge)
-    monkeypatch.setattr(triton_attention, "_COUNTERS", {})
+    monkeypatch.setattr(split_merge, "_COUNTERS", {})
     return log, main.compiled, merge.compiled
 
 
