@@ -288,7 +288,9 @@ class InputBatch:
             st.seq_lens[R:Rp] = 0
         if qsl_cpu is None:
             qsl_cpu = views.cache["decode_qsl"] = torch.from_numpy(st.query_start_loc[:Rp + 1].copy())
-        max_seq_len = int(seq_lens.max())
+        max_seq_len = getattr(scheduled, "max_seq_len", None)     # the scheduler's decode fast path has it
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
         table, k = self.device_table.stage(st, rows, R, Rp, -(-max_seq_len // bs), self.state.version)
         self.buffers.upload(views, i, table)
         if k:

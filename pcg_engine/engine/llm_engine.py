@@ -17,10 +17,9 @@ per-request path.
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pcg_engine.kernels.argmax import greedy_tokens
@@ -30,30 +29,13 @@ from pcg_engine.engine.detokenizer import IncrementalDetokenizer
 from pcg_engine.engine.model_runner import ModelRunner
 from pcg_engine.engine.readback import TokenReadback
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
-from pcg_engine.engine.row_booking import resolve_rows
+from pcg_engine.engine.row_booking import Inflight, launch_rows, resolve_rows
 from pcg_engine.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors, make_generator
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import LazyTokenizer, eos_token_ids
 from pcg_engine.errors import InvalidRequestError
 from pcg_engine.outputs import RequestOutput
 from pcg_engine.sampling_params import SamplingParams
-
-
-@dataclass
-class Inflight:
-    """A launched step whose sampled tokens are still on the device."""
-
-    sampled: object                                   # SamplerOutput, on the device
-    pending: object                                   # PendingTokens: its copy to the host (readback.py)
-    slots: list = field(default_factory=list)         # (request, index in token_ids) per sampled row
-    # Instead of slots, when the requests are bound to rows: the requests in sampled order, and
-    # per request its row, its placeholder's index and the row's epoch at launch.
-    requests: list | None = None
-    state: object = None                              # their RowState
-    rows: np.ndarray | None = None
-    index: np.ndarray | None = None
-    epoch: np.ndarray | None = None
-    version: int = -1                                 # RowState.version at launch
 
 
 @dataclass
@@ -250,11 +232,8 @@ class LLMEngine:
             sampled = SamplerOutput(token_ids=greedy_tokens(logits))   # kernels/argmax.py
         self.stats.steps += 1
         pending = self.readback.start(sampled)
-        rows = getattr(inputs, "sample_row_ids", None)
-        if state is not None and rows is not None:
-            index = state.append_placeholders(rows)
-            return Inflight(sampled, pending, requests=inputs.sample_rows, state=state, rows=rows, index=index,
-                            epoch=state.epoch[rows], version=state.version)
+        if state is not None and getattr(inputs, "sample_row_ids", None) is not None:
+            return launch_rows(state, plan.scheduled, inputs, sampled, pending)
         slots = []
         for request in inputs.sample_rows:
             tokens = request.token_ids
@@ -267,10 +246,9 @@ class LLMEngine:
     def _describe_row(self, state, row: int, request: Request) -> None:
         """What the bulk booking of a freshly bound row needs to know of its request."""
         rid = request.request_id
-        state.plain[row] = plain = self.detokenizers.get(rid) is None and rid not in self.logprobs
-        state.stream[row] = not request.final_only
-        state.needs_host[row] = not plain or request.first_token_time is None
-        state.set_stop_ids(row, request.stop_token_set)
+        plain = self.detokenizers.get(rid) is None and rid not in self.logprobs
+        state.describe(row, plain, not request.final_only, not plain or request.first_token_time is None,
+                       request.stop_token_set)
 
     def _resolve(self, inflight: Inflight) -> list[RequestOutput]:
         w0 = time.perf_counter()

@@ -10,9 +10,14 @@ first token (RowState.needs_host), or a row released since launch (finished, abo
 The common step, no row changed hands since launch (RowState.version unchanged), skips the
 staleness checks: every token read back then lands on its own placeholder. Stop tokens are screened
 by one lookup in RowState.stop_any (any row's stop tokens) and checked exactly only when one shows up.
+A step planned by the scheduler's decode fast path carries its DecodeBatch (decode_batch.py), which
+knows without looking row by row whether any row needs the host path, reached its length limit
+(the plan says) or streams outputs: then the step is booked by `_resolve_quiet`, a handful of numpy
+operations for every row and no per-row test.
 """
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,9 +25,45 @@ from pcg_engine.engine.request import PLACEHOLDER
 from pcg_engine.outputs import DecodeOutput
 
 
+@dataclass
+class Inflight:
+    """A launched step whose sampled tokens are still on the device."""
+
+    sampled: object                                   # SamplerOutput, on the device
+    pending: object                                   # PendingTokens: its copy to the host (readback.py)
+    slots: list = field(default_factory=list)         # (request, index in token_ids) per sampled row
+    # Instead of slots, when the requests are bound to rows: the requests in sampled order, and
+    # per request its row, its placeholder's index and the row's epoch at launch.
+    requests: list | None = None
+    state: object = None                              # their RowState
+    rows: np.ndarray | None = None
+    index: np.ndarray | None = None
+    epoch: np.ndarray | None = None
+    version: int = -1                                 # RowState.version at launch
+    batch: object = None                              # the DecodeBatch of an all-decode fast-path step
+    at_limit: bool = True                             # then: some row samples its last allowed token
+
+
+def launch_rows(state, scheduled, inputs, sampled, pending) -> Inflight:
+    """The launch half of the booking: a placeholder at the end of each sampling row."""
+    rows = inputs.sample_row_ids
+    batch = getattr(scheduled, "batch", None)
+    if batch is not None:     # every row of the batch samples; its token counts are the plan's
+        return Inflight(sampled, pending, requests=batch.requests, state=state, rows=rows,
+                        index=state.append_placeholders(rows, scheduled.seq_lens), epoch=batch.epoch,
+                        version=state.version, batch=batch, at_limit=scheduled.at_limit)
+    index = state.append_placeholders(rows)
+    return Inflight(sampled, pending, requests=inputs.sample_rows, state=state, rows=rows, index=index,
+                    epoch=state.epoch[rows], version=state.version)
+
+
 def resolve_rows(engine, inflight, values: np.ndarray) -> list:
     """LLMEngine._resolve for an Inflight of bound rows; returns the step's outputs in sampled order."""
     state, rows, index, requests = inflight.state, inflight.rows, inflight.index, inflight.requests
+    if inflight.batch is not None and state.version == inflight.version:
+        outputs = _resolve_quiet(engine, inflight, values)
+        if outputs is not None:
+            return outputs
     if state.version == inflight.version:
         live = ok = None                              # every row still holds its request
         state.token_ids[rows, index] = values
@@ -40,17 +81,8 @@ def resolve_rows(engine, inflight, values: np.ndarray) -> list:
         event |= state.stop_hit(rows, values) if ok is None else ok & state.stop_hit(rows, values)
     any_event = event.any()
     quiet = ~event if ok is None else ok & ~event
-    blocks = engine.block_manager
-    if blocks.enable_prefix_caching and engine.async_scheduling:
-        # A block that a placeholder kept out of the prefix cache may be publishable now. (Never
-        # with sync scheduling: a step's placeholder then sits at its row's computed count.)
-        bs = blocks.block_size
-        computed = state.num_computed[rows]
-        publish = np.flatnonzero(quiet & (index // bs < computed // bs))
-        if len(publish):
-            at = rows[publish]
-            blocks.cache_full_blocks_rows(list(map(requests.__getitem__, publish.tolist())), state.token_ids, at,
-                                          np.minimum(computed[publish], state.num_tokens[at]) // bs)
+    if engine.async_scheduling and engine.block_manager.enable_prefix_caching:
+        _publish_unheld(engine.block_manager, state, rows, index, requests, quiet)
     # A quiet row's later tokens are all placeholders: its output ends at the token just resolved.
     stream = quiet & state.stream[rows]
     if not any_event and live is None and stream.all():
@@ -64,8 +96,7 @@ def resolve_rows(engine, inflight, values: np.ndarray) -> list:
         engine.stats.generated_tokens += generated
         return outputs
     if any_event:
-        at = rows[event]
-        state.needs_host[at] = ~state.plain[at]       # the first token is seen now
+        state.first_tokens_seen(rows[event])
     lps = engine._logprob_lists(inflight.pending)
     now = time.monotonic()
     booked = []
@@ -93,3 +124,40 @@ def resolve_rows(engine, inflight, values: np.ndarray) -> list:
         merged = sorted([*zip(order.tolist(), outputs), *booked], key=lambda pair: pair[0])
         outputs = [o for _, o in merged]
     return outputs
+
+
+def _resolve_quiet(engine, inflight, values: np.ndarray) -> list | None:
+    """The common decode step of a fast-path batch (decode_batch.py) whose rows all still hold
+    their requests: when no row needs the per-request path, none reached its length limit (the
+    plan says so) and no sampled token is a stop token of any row, the tokens are booked for every
+    row and every row's output is made (or none, when no row
+    streams). None, having changed nothing, otherwise: resolve_rows' general path books the step."""
+    state, batch = inflight.state, inflight.batch
+    needs_host, stream_all, stream_none = batch.flags(state)
+    if needs_host or inflight.at_limit or not (stream_all or stream_none):
+        return None
+    if state.stop_any.take(values, mode="clip").any():
+        return None
+    rows, index = inflight.rows, inflight.index
+    state.token_ids[rows, index] = values
+    state.num_placeholders[rows] -= 1
+    if engine.async_scheduling and engine.block_manager.enable_prefix_caching:
+        _publish_unheld(engine.block_manager, state, rows, index, inflight.requests, None)
+    engine.stats.generated_tokens += len(rows)
+    if stream_none:
+        return []
+    return list(map(DecodeOutput, inflight.requests, (index + 1).tolist(), values.tolist()))
+
+
+def _publish_unheld(blocks, state, rows, index, requests, quiet) -> None:
+    """Async scheduling: a block that a placeholder kept out of the prefix cache may be publishable
+    now that its tokens are resolved (quiet rows only; None: every row). Never with sync
+    scheduling: a step's placeholder then sits at its row's computed count."""
+    bs = blocks.block_size
+    computed = state.num_computed[rows]
+    ready = index // bs < computed // bs
+    publish = np.flatnonzero(ready if quiet is None else quiet & ready)
+    if len(publish):
+        at = rows[publish]
+        blocks.cache_full_blocks_rows(list(map(requests.__getitem__, publish.tolist())), state.token_ids, at,
+                                      np.minimum(computed[publish], state.num_tokens[at]) // bs)

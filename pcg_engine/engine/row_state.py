@@ -40,13 +40,15 @@ class RowState:
         self.table_len = np.zeros(R, dtype=np.int64)      # KV blocks the block manager holds for the row
         self.epoch = np.zeros(R, dtype=np.int64)
         self.version = 0                                  # counts binds and unbinds (a row changed hands)
+        self.flags_version = 0                            # counts writes of plain / stream / needs_host / stop ids
         # Set by the engine (defaults send every token through the per-request path):
         self.plain = np.zeros(R, dtype=bool)              # no text, no logprobs: tokens booked in bulk
         self.stream = np.zeros(R, dtype=bool)             # an output per step (not final_only)
         # Resolve on the per-request path: not plain, or no token read back yet (first_token_time).
         self.needs_host = np.ones(R, dtype=bool)
         self.stop_ids = np.full((R, 1), NO_STOP, dtype=np.int64)   # tokens that may stop the row
-        # Per token id: a stop token of some row, now or before (a screen: stop_hit decides).
+        # Per token id: a stop token of some row, now or before (a screen: stop_hit decides); its
+        # last entry is never one, for the tokens beyond it.
         self.stop_any = np.zeros(1, dtype=bool)
         self.requests: list = [None] * R
 
@@ -69,6 +71,7 @@ class RowState:
         self.stop_ids[row] = NO_STOP
         self.requests[row] = request
         self.version += 1
+        self.flags_version += 1
         request._synced = n - request.num_placeholders
         request._rows, request._row = self, row
         request.__class__ = BoundRequest
@@ -98,7 +101,18 @@ class RowState:
             tokens.extend(self.token_ids[row, k:n].tolist())
         request._synced = n - int(self.num_placeholders[row])
 
+    def describe(self, row: int, plain: bool, stream: bool, needs_host: bool, stop_ids) -> None:
+        """How the bulk booking treats a freshly bound row (see the flags in __init__)."""
+        self.plain[row], self.stream[row], self.needs_host[row] = plain, stream, needs_host
+        self.set_stop_ids(row, stop_ids)
+
+    def first_tokens_seen(self, rows: np.ndarray) -> None:
+        """These rows' first tokens are booked: only rows that are not plain still need the host."""
+        self.needs_host[rows] = ~self.plain[rows]
+        self.flags_version += 1
+
     def set_stop_ids(self, row: int, ids) -> None:
+        self.flags_version += 1
         ids = list(ids)
         if len(ids) > self.stop_ids.shape[1]:      # widen every row (rare: a request with many stop ids)
             wider = np.full((len(self.stop_ids), len(ids)), NO_STOP, dtype=np.int64)
@@ -108,8 +122,10 @@ class RowState:
         self.stop_ids[row, :len(ids)] = ids
         if ids:
             top = max(ids)
-            if top >= len(self.stop_any):
-                wider = np.zeros(top + 1, dtype=bool)
+            if top + 1 >= len(self.stop_any):
+                # One entry past the largest id stays False: the screen's take(mode="clip") maps
+                # every larger token there.
+                wider = np.zeros(top + 2, dtype=bool)
                 wider[:len(self.stop_any)] = self.stop_any
                 self.stop_any = wider
             self.stop_any[ids] = True
@@ -140,9 +156,10 @@ class RowState:
             request._synced = min(request._synced, num_tokens)
 
     # ---- every row of a step at once ----------------------------------------------------------
-    def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
-        """A PLACEHOLDER at the end of each row (rows distinct); returns the index each took."""
-        index = self.num_tokens[rows]
+    def append_placeholders(self, rows: np.ndarray, num_tokens: np.ndarray | None = None) -> np.ndarray:
+        """A PLACEHOLDER at the end of each row (rows distinct); returns the index each took.
+        num_tokens: the rows' token counts, when the caller has them (the decode fast path's plan)."""
+        index = self.num_tokens[rows] if num_tokens is None else num_tokens
         self.token_ids[rows, index] = PLACEHOLDER
         self.num_tokens[rows] = index + 1
         self.num_placeholders[rows] += 1

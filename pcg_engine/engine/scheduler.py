@@ -14,22 +14,23 @@ advances num_computed_tokens at launch (update_after_step). So:
     readmitted: its recompute needs every token's value on the host. The queue waits behind it,
     which costs at most one step because a step's tokens are read back before the next plan.
 
-Decode fast path: when every running request is bound to a row (row_state.py) and is decoding,
-the running part of the plan is made with numpy over the rows: which rows have their last token in
-flight, which cross a block boundary (only those are allocated a block, one call each), and the
-plan is handed on as a ScheduledBatch that carries the rows, so neither the input batch nor
-update_after_step walks the requests. Anything else (a prefill chunk, a block shortage that needs
-a preemption, a full token budget) takes the general loop, which makes the same plan.
+Decode fast path (decode_batch.py): when every running request is bound to a row (row_state.py)
+and is decoding, the running part of the plan is made with numpy over the rows: which rows have
+their last token in flight, which cross a block boundary (only those are allocated a block, one
+call each), and the plan is handed on as a ScheduledBatch that carries the rows, so neither the
+input batch nor update_after_step walks the requests. Anything else (a prefill chunk, a block
+shortage that needs a preemption, a full token budget) takes the general loop, which makes the
+same plan.
 """
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import compress, repeat
 
 import numpy as np
 
 from pcg_engine.engine.block_manager import BlockManager
+from pcg_engine.engine.decode_batch import DecodeBatch, ScheduledBatch, plan_decodes, publish_decoded
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
 from pcg_engine.errors import ConfigError, InvalidRequestError
 
@@ -50,16 +51,6 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("max_num_batched_tokens", f"without chunked prefill must be >= max_model_len "
                               f"({self.max_model_len}), got {self.max_num_batched_tokens}")
-
-
-class ScheduledBatch(list):
-    """[(request, new tokens)] in batch order; from the decode fast path also numpy `rows` and
-    `num_new` per entry and the `requests` (all of which sample), each row's sequence length after
-    the step (`seq_lens`: set only for an all-decode step), the entries whose block table grew
-    this step (`grown`) and, when each grew by one block, those blocks (`new_blocks`). None where
-    not known."""
-
-    rows = num_new = requests = seq_lens = grown = new_blocks = None
 
 
 @dataclass
@@ -86,11 +77,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()    # WAITING and PREEMPTED, in admission order
         self.running: list[Request] = []          # oldest admitted first
         self.requests: dict[str, Request] = {}    # every unfinished request
-        # The decode fast path's rows of `running`, valid while neither `running` nor any row's
-        # owner changed: (running version, RowState, its version) it was made at, and the rows.
+        # The decode fast path's rows of `running` (decode_batch.py), valid while neither `running`
+        # nor any row's owner changed: made again when (running version, RowState, its version) moves.
         self._running_version = 0
-        self._rows_cache = (None, None, None)     # key, rows, [(request, 1)] of every running request
-        self._ones_cache = np.ones(0, np.int64)
+        self._decode_batch: DecodeBatch | None = None
 
     # Queue ---------------------------------------------------------------------------------------
 
@@ -196,64 +186,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)   # victims go newest first, so the oldest ends up in front
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int | None:
-        """The decode fast path (module docstring). Returns the budget left, or None, having
-        changed nothing, when the general loop must plan the running requests."""
-        running = self.running
-        state = running[0]._rows
-        if state is None:
-            return None
-        key, rows, pairs = self._rows_cache
-        if key != (self._running_version, state, state.version) or len(pairs or running) != len(running):
-            rows = np.fromiter([r._row for r in running], np.int64, len(running))
-            if rows.min() < 0:
-                rows = pairs = None                      # not every running request holds a row
-            else:
-                pairs = list(zip(running, repeat(1)))
-            self._rows_cache = ((self._running_version, state, state.version), rows, pairs)
-        if rows is None:
-            return None
-        num_tokens = state.num_tokens[rows]
-        if not (num_tokens - state.num_computed[rows] == 1).all():
-            return None                                  # a prefill chunk (or nothing to compute)
-        requests = running
-        over = num_tokens > state.last_index[rows]
-        if over.any():
-            # Rows whose last allowed token is in flight: nothing to compute.
-            take = ~(over & (state.num_placeholders[rows] > 0))
-            requests = list(compress(running, take.tolist()))
-            rows, num_tokens, pairs = rows[take], num_tokens[take], None
-        count = len(requests)
-        if count > budget or not count:
-            return None
-        blocks = self.block_manager
-        bs = blocks.block_size
-        table_len = state.table_len[rows]
-        grow = (num_tokens > table_len * bs).nonzero()[0]
-        if len(grow):
-            counts = (num_tokens[grow] + (bs - 1)) // bs - table_len[grow]
-            if int(counts.sum()) > blocks.num_free_blocks:
-                return None                              # someone must be preempted
-            # In running order, as the general loop would allocate them.
-            new_blocks = blocks.grow([requests[i].request_id for i in grow.tolist()], counts.tolist())
-            state.table_len[rows[grow]] = table_len[grow] + counts
-        scheduled = ScheduledBatch(pairs if pairs is not None else zip(requests, repeat(1)))
-        scheduled.rows, scheduled.num_new, scheduled.requests = rows, self._ones(count), list(requests)
-        scheduled.seq_lens, scheduled.grown = num_tokens, grow
-        if len(grow) and len(new_blocks) == len(grow):
-            scheduled.new_blocks = new_blocks            # one each, in `grown` order
-        out.scheduled = scheduled
-        out.samples = [True] * count
-        out.num_batched_tokens = count
-        return budget - count
-
-    def _ones(self, n: int) -> np.ndarray:
-        ones = self._ones_cache
-        if len(ones) < n:
-            ones = self._ones_cache = np.ones(2 * n, np.int64)
-            ones.flags.writeable = False
-        return ones[:n]
-
     def schedule(self) -> SchedulerOutput:
         cfg, blocks = self.config, self.block_manager
         out = SchedulerOutput()
@@ -263,7 +195,7 @@ class Scheduler:
         block_table, bs = blocks.block_table, blocks.block_size
         running = self.running
         if running:
-            left = self._schedule_decodes(out, budget)
+            left = plan_decodes(self, out, budget)
             if left is not None:
                 budget, i = left, len(running)
         while i < len(running) and budget > 0:
@@ -314,9 +246,10 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             out.admitted.append(request)
-            # The fast path's arrays no longer cover the batch.
-            sb = out.scheduled
-            sb.rows = sb.num_new = sb.requests = sb.seq_lens = sb.grown = sb.new_blocks = None
+            if out.scheduled.rows is not None:
+                # The fast path's plan (perhaps its batch's shared list) no longer covers the
+                # batch: a plain copy without the arrays.
+                out.scheduled, out.samples = ScheduledBatch(out.scheduled), list(out.samples)
             self._schedule_one(out, request, num_new)
             budget -= num_new
         return out
@@ -343,7 +276,7 @@ class Scheduler:
             else:
                 state.num_computed[rows] = after
                 if self.block_manager.enable_prefix_caching:
-                    self._publish_decoded(scheduled, state, rows, after)
+                    publish_decoded(self.block_manager, scheduled, state, after)
                 return
             state.num_computed[rows] = after
             if self.block_manager.enable_prefix_caching and len(filled):
@@ -367,22 +300,3 @@ class Scheduler:
             # placeholder is published when the placeholder is resolved: LLMEngine._resolve).
             if before // bs != after // bs:
                 cache_full_blocks(request)
-
-    def _publish_decoded(self, scheduled, state, rows: np.ndarray, after: np.ndarray) -> None:
-        """Publish the blocks an all-decode step filled: its rows whose token count (= computed
-        count after the step) reached a block's end, one block each."""
-        bs = self.block_manager.block_size
-        filled = (after % bs == 0).nonzero()[0]
-        if not len(filled):
-            return
-        at, end = rows[filled], after[filled]
-        last = state.token_ids[at, end - 1]
-        if last.min() < 0:
-            # A block ending in a placeholder (async: the token in flight) is published when that
-            # token is resolved (placeholders trail, so no earlier block waits): skip it here.
-            keep = (last >= 0).nonzero()[0]
-            if not len(keep):
-                return
-            filled, at, end = filled[keep], at[keep], end[keep]
-        self.block_manager.cache_full_blocks_rows(list(map(scheduled.requests.__getitem__, filled.tolist())),
-                                                  state.token_ids, at, end // bs)

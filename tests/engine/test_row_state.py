@@ -87,8 +87,10 @@ def test_stop_screen_covers_every_rows_stop_ids():
     state.set_stop_ids(0, [5])
     state.set_stop_ids(1, [900, 2])
     assert np.flatnonzero(state.stop_any).tolist() == [2, 5, 900]
-    # Beyond the table: the last entry answers (a false positive at most, stop_hit decides).
-    assert state.stop_any.take(np.array([0, 2, 5, 901, 10**6]), mode="clip").tolist() == [False, True, True, True, True]
+    # Beyond the table: the last entry answers, and it is never a stop id (no alarm for the
+    # tokens above the largest stop id).
+    assert not state.stop_any[-1]
+    assert state.stop_any.take(np.array([0, 2, 5, 901, 10**6]), mode="clip").tolist() == [False, True, True, False, False]
     state.set_stop_ids(1, [])
     assert state.stop_any[900], "a screen only ever widens"
     assert not state.stop_hit(np.array([1]), np.array([900])).any()
