@@ -26,7 +26,6 @@ from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
 from pcg_engine.compile.piecewise import MIN_TRACED_TOKENS, CompiledForward
 from pcg_engine.config import default_buckets, sparse_buckets
-from pcg_engine.kernels import pdl
 
 COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
 FULL_MODES = ("full_decode", "full_and_piecewise")
@@ -77,15 +76,11 @@ def _progress_task(progress, description, total):
 
 @torch.inference_mode()
 def capture_piecewise(runner, forward: CompiledForward, buckets, progress=None) -> float:
-    """One dummy forward per bucket, largest first, inside the pool's capture phase.
-
-    With PDL (kernels/pdl.py) inside each piece's graph: consecutive kernels of a piece overlap
-    their launches as in the full decode graphs. The attention launched between pieces while
-    serving stays a plain launch (outside the scope)."""
+    """One dummy forward per bucket, largest first, inside the pool's capture phase."""
     pool = forward.graphs
     t0 = time.perf_counter()
     task = _progress_task(progress, "piecewise CUDA graphs", len(buckets))
-    with pool.capture_phase(), pdl.scope():
+    with pool.capture_phase():
         for bucket in sorted(buckets, reverse=True):
             _dummy_forward(runner, forward, bucket)
             if task is not None:

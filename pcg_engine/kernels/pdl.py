@@ -17,15 +17,12 @@ other kernels wait first thing and gain only the launch. The wait is executed by
 before any early exit, so a kernel never completes before its predecessor has, and the ordering is
 transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
 
-Where: only inside `scope()`, which the captures enter: the full decode graphs' (compile/full_graph.py)
-and, since session 5, the piecewise graphs' (compile/setup.py).
+Where: only inside `scope()`, which the full decode graphs' capture enters (compile/full_graph.py).
 Measured on the H200 (session 4, call 2, P1 batch-1 decode, with graph split-KV): Qwen3-0.6B
 full_decode 1.048 -> 0.965 ms a token, full_and_piecewise 1.049 -> 0.958, and the CUDA-graph
 equivalence tests pass with it. With PDL in every launch (call 3), the host-bound modes got slower
 instead: piecewise 2.38 -> 3.63 ms (29 piece-graph launches and 28 eager attention launches a
-step), eager 11.7 -> 13.0; session 5 traced that to host contention from the other GPU's jobs (piecewise
-alone: 2.3-2.5 ms), so the piece graphs now capture with PDL too, while launches outside any graph
-(the attention between pieces, eager mode) stay plain.
+step), eager 11.7 -> 13.0, so launches outside the one whole-step graph stay plain.
 Off in Triton's CPU interpreter (the instructions are inline PTX), below sm_90, and with PCG_PDL=0
 (an A/B switch for benchmarks, read at import). Kernels take a PDL constexpr and their launchers
 pass `**launch_kwargs(device)`, so both halves always agree.
