@@ -21,8 +21,8 @@ layer's attention op, the next call the model makes) launches the decode attenti
 and rotates q and k and writes k, v itself, one launch a layer fewer. A step that is not one decode
 token a request runs the deferred rope_kv launch there instead, into the placeholder, then attention
 as usual. Eager forwards only: the raw q, k, v stay valid between the two ops because this backend
-holds them, which an Inductor graph that reuses its buffers would not respect. PCG_FUSED_ROPE_ATTENTION=0
-(read at import) keeps the two launches, for A/B runs.
+holds them, which an Inductor graph that reuses its buffers would not respect. Off unless
+PCG_FUSED_ROPE_ATTENTION=1 (read at import; measured slower in the model, see FUSED_ROPE_ATTENTION).
 """
 
 import os
@@ -39,7 +39,12 @@ from pcg_engine.attention.rope_decode_attention import rope_decode_attention
 from pcg_engine.attention.rope_kv import rope_and_write_kv
 from pcg_engine.attention.triton_attention import unified_attention
 
-FUSED_ROPE_ATTENTION = os.environ.get("PCG_FUSED_ROPE_ATTENTION", "1") != "0"
+# Off by default: in the model it lost on the H200 (session 5 final call, Qwen3-0.6B batch-1 full_decode
+# 1.003 ms a token with it vs 0.927 without, same call), though one layer alone timed faster
+# from a cold L2 (bench_kernels --only rope_attention: 9.6 vs 10.7 us at 384 keys) and slower
+# back to back (8.8 vs 7.8): every split program repeats the q (and the owner the k) norm + RoPE
+# prologue, which PDL no longer hides. PCG_FUSED_ROPE_ATTENTION=1 turns it on (A/B runs).
+FUSED_ROPE_ATTENTION = os.environ.get("PCG_FUSED_ROPE_ATTENTION", "0") == "1"
 
 
 class _DeferredRope(NamedTuple):

@@ -19,6 +19,7 @@ from pcg_engine.attention import launch_config, triton_backend
 def runners(tiny_dense):
     mp = pytest.MonkeyPatch()
     mp.setattr(launch_config, "_num_sms", lambda device: 16)   # decode splits 8 / 4 / 2 ways at buckets 1 / 2 / 4
+    mp.setattr(triton_backend, "FUSED_ROPE_ATTENTION", True)   # off by default: on for this test
     try:
         common = dict(attention_backend="triton", block_size=16, max_model_len=256)
         yield make_runner(tiny_dense, "eager", **common), make_runner(tiny_dense, "full_decode", **common)

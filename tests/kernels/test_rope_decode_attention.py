@@ -196,11 +196,13 @@ def test_gpu_rope_bit_identical(Hq):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bucket", [1, 2, 4])
 @pytest.mark.parametrize("Hq", [16, 32])
-def test_gpu_fused_in_cuda_graph_replays(Hq, bucket):
+def test_gpu_fused_in_cuda_graph_replays(Hq, bucket, monkeypatch):
     """One layer's two ops captured as the full decode graphs capture them (capturing(fuse_rope=True),
     PDL on), replayed on new qkv, positions, slots, contexts and block tables; each replay against
     the two launches run eagerly on the same inputs."""
+    from pcg_engine.attention import triton_backend
     from pcg_engine.kernels import pdl
+    monkeypatch.setattr(triton_backend, "FUSED_ROPE_ATTENTION", True)   # off by default
     Hk, D, bs, dtype, width = 8, 128, 16, torch.bfloat16, 520
     backend = TritonAttentionBackend(num_heads=Hq, num_kv_heads=Hk, head_dim=D, block_size=bs,
                                      cos_sin=rope_cache(D, MAX_POS, 1e6, device=DEVICE))

@@ -23,6 +23,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 Hq, Hk, D, BS = 4, 2, 32, 4
 
 
+@pytest.fixture(autouse=True)
+def fused_rope_on(monkeypatch):   # off by default (triton_backend.FUSED_ROPE_ATTENTION): this file tests it on
+    monkeypatch.setattr(triton_backend, "FUSED_ROPE_ATTENTION", True)
+
+
 @pytest.fixture
 def h200_sms(monkeypatch):   # bucket 1 x Hk 2 on 132 SMs: 16 splits, as on the H200
     monkeypatch.setattr(launch_config, "_num_sms", lambda device: 132)
