@@ -86,11 +86,11 @@ def resolve_rows(engine, inflight, values: np.ndarray) -> list:
     # A quiet row's later tokens are all placeholders: its output ends at the token just resolved.
     stream = quiet & state.stream[rows]
     if not any_event and live is None and stream.all():
-        outputs = list(map(DecodeOutput, requests, (index + 1).tolist(), values.tolist()))
+        outputs = list(map(DecodeOutput, zip(requests, (index + 1).tolist(), values.tolist())))
     else:
         stream = np.flatnonzero(stream)
-        outputs = list(map(DecodeOutput, map(requests.__getitem__, stream.tolist()), (index[stream] + 1).tolist(),
-                           values[stream].tolist()))
+        outputs = list(map(DecodeOutput, zip(map(requests.__getitem__, stream.tolist()), (index[stream] + 1).tolist(),
+                                             values[stream].tolist())))
     slow = event.nonzero()[0] if live is None else (event | ~live).nonzero()[0]
     if not len(slow):
         engine.stats.generated_tokens += generated
@@ -146,7 +146,7 @@ def _resolve_quiet(engine, inflight, values: np.ndarray) -> list | None:
     engine.stats.generated_tokens += len(rows)
     if stream_none:
         return []
-    return list(map(DecodeOutput, inflight.requests, (index + 1).tolist(), values.tolist()))
+    return list(map(DecodeOutput, zip(inflight.requests, (index + 1).tolist(), values.tolist())))
 
 
 def _publish_unheld(blocks, state, rows, index, requests, quiet) -> None:

@@ -129,3 +129,20 @@ def test_flags_follow_the_rows():
     assert batch.flags(state) == (False, False, False)   # mixed: some rows stream, some don't
     assert batch.last_min == min(r.last_index for r in reqs)
 
+
+
+def test_decode_output_reads_like_a_request_output():
+    """DecodeOutput is a tuple (request, end, token) for speed; every field a consumer reads is
+    what the RequestOutput of the same step would say."""
+    from pcg_engine.outputs import DecodeOutput, RequestOutput
+    req = Request("d", [4, 5, 6], SamplingParams(max_tokens=9))
+    req.token_ids += [7, 8, -1]
+    req.first_token_time = 1.5
+    fast = next(map(DecodeOutput, zip([req], [5], [8])))
+    full = RequestOutput(req, 5, "", False, [8])
+    assert isinstance(fast, RequestOutput)
+    for name in ("request_id", "prompt_token_ids", "token_ids", "text", "finished", "finish_reason",
+                 "stop_reason", "metrics", "new_token_ids", "new_text", "logprobs", "prompt", "error"):
+        assert getattr(fast, name) == getattr(full, name), name
+    assert fast.token_ids == [7, 8] and fast.new_token_ids == [8]
+    assert repr(fast) == repr(full)
