@@ -103,9 +103,30 @@ def test_warper_kept_set_matches_reference(device, params, raw):
         logits = logits.to(torch.bfloat16)
     x = logits.to(torch.float32, copy=True)
     apply_warpers(x, tensors([params] * R, V, device), logits if raw else None)
+    compared = 0
     for r in range(R):
+        if nucleus_edge_is_a_rounding_call(logits[r].float().cpu(), params):
+            continue
         kept_ref = ref_probs(logits[r].float().cpu(), params) > 0
         assert torch.equal(torch.isfinite(x[r]).cpu(), kept_ref)
+        compared += 1
+    assert compared >= R // 2
+
+
+def nucleus_edge_is_a_rounding_call(logits: torch.Tensor, p: SP, margin: float = 1e-4) -> bool:
+    """Whether some token's mass-before lies within `margin` of top_p: then float32 (the sampler)
+    and float64 (the reference) may put the nucleus edge on either side of it, and the row says
+    nothing about the warpers. Random logits land there now and then (CI saw one such row)."""
+    if p.top_p >= 1:
+        return False
+    x = logits.double() / p.temperature
+    if p.min_p > 0:
+        probs = x.softmax(-1)
+        x[probs < p.min_p * probs.max()] = float("-inf")
+    if p.top_k > 0:
+        x[x < x.sort(descending=True).values[p.top_k - 1]] = float("-inf")
+    sp = x.softmax(-1).sort(descending=True).values
+    return bool(((sp.cumsum(-1) - sp - p.top_p).abs() < margin).any())
 
 
 def test_partial_selection_and_full_sort_paths_agree(device):
