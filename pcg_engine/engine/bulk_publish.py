@@ -13,6 +13,7 @@ cache_full_blocks called per request in the same order (tests/core/test_block_ma
 """
 
 from hashlib import sha256
+from itertools import repeat
 
 import numpy as np
 
@@ -36,10 +37,12 @@ def publish_rows(blocks, requests, token_ids: np.ndarray, rows: np.ndarray, num_
     chunks = blocks_view(blocks, token_ids)[rows, num_full - 1]
     data = chunks.tobytes()
     lists = None if hash_fn is None else chunks.tolist()
-    width = chunks.shape[1] * 8
-    end = 0
-    for i, (request, n) in enumerate(zip(requests, num_full.tolist())):
-        end += width
+    w = chunks.shape[1] * 8
+    # `in` would try the bytes as an int first (a TypeError raised and cleared): find. One search
+    # of all the blocks first, the usual answer being none.
+    held = data.find(_HELD) >= 0
+    for request, n, chunk, tokens in zip(requests, num_full.tolist(), [data[a:a + w] for a in range(0, len(data), w)],
+                                         repeat(None) if lists is None else lists):
         rid = request.request_id
         hashes = hashes_of.get(rid)
         if hashes is None:
@@ -49,14 +52,17 @@ def publish_rows(blocks, requests, token_ids: np.ndarray, rows: np.ndarray, num_
             if len(hashes) < min(n, len(table)):
                 blocks.cache_full_blocks(request)        # several blocks wait: the general path
             continue
-        chunk = data[end - width:end]
-        if _HELD in chunk:
+        if held and chunk.find(_HELD) >= 0:
             continue                                     # published once the placeholder is resolved
-        parent = hashes[-1] if hashes else None
-        if lists is not None:
-            h = hash_fn(parent, lists[i])
+        if tokens is not None:
+            parent = hashes[-1] if hashes else None
+            h = hash_fn(parent, tokens)
+        elif hashes:
+            parent = hashes[-1]
+            h = sha256(parent + chunk).digest()
         else:
-            h = sha256(parent + chunk if parent is not None else chunk).digest()
+            parent = None
+            h = sha256(chunk).digest()
         hashes.append(h)
         block = by_id[table[n - 1]]
         # Same content computed twice (or a collision): keep the first copy, leave this one private.
