@@ -233,7 +233,7 @@ class LLMEngine:
         self.stats.steps += 1
         pending = self.readback.start(sampled)
         if state is not None and getattr(inputs, "sample_row_ids", None) is not None:
-            return launch_rows(state, plan.scheduled, inputs, sampled, pending)
+            return launch_rows(state, plan.scheduled, inputs, sampled, pending, self.async_scheduling)
         slots = []
         for request in inputs.sample_rows:
             tokens = request.token_ids

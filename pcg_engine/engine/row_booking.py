@@ -2,7 +2,9 @@
 
 At launch each sampling row gets a PLACEHOLDER at the end of its row (RowState.append_placeholders);
 when the step's tokens are read back, `resolve_rows` writes them over the placeholders of every row
-with a few numpy operations and makes the outputs of the rows with nothing to report but their token.
+with a few numpy operations and makes the outputs of the rows with nothing to report but their
+token. (Sync scheduling reads a step back before anything else happens: it appends no placeholder,
+and the tokens are appended at the rows' ends.)
 A row takes the engine's per-request path (LLMEngine._book_tail: text, stop checks, finishing) only
 when it has an *event*: a possible stop token, its length limit, text or logprobs to produce, its
 first token (RowState.needs_host), or a row released since launch (finished, aborted, preempted).
@@ -42,19 +44,25 @@ class Inflight:
     version: int = -1                                 # RowState.version at launch
     batch: object = None                              # the DecodeBatch of an all-decode fast-path step
     at_limit: bool = True                             # then: some row samples its last allowed token
+    appended: bool = True                             # placeholders at `index` (else the rows end there)
 
 
-def launch_rows(state, scheduled, inputs, sampled, pending) -> Inflight:
-    """The launch half of the booking: a placeholder at the end of each sampling row."""
+def launch_rows(state, scheduled, inputs, sampled, pending, placeholders: bool = True) -> Inflight:
+    """The launch half of the booking: a placeholder at the end of each sampling row, where its
+    token will go. Without placeholders (sync scheduling, whose step is read back before anything
+    else happens) the rows are left as they are and the tokens are appended when read back."""
     rows = inputs.sample_row_ids
     batch = getattr(scheduled, "batch", None)
     if batch is not None:     # every row of the batch samples; its token counts are the plan's
-        return Inflight(sampled, pending, requests=batch.requests, state=state, rows=rows,
-                        index=state.append_placeholders(rows, scheduled.seq_lens), epoch=batch.epoch,
-                        version=state.version, batch=batch, at_limit=scheduled.at_limit)
-    index = state.append_placeholders(rows)
+        index = scheduled.seq_lens
+        if placeholders:
+            state.append_placeholders(rows, index)
+        return Inflight(sampled, pending, requests=batch.requests, state=state, rows=rows, index=index,
+                        epoch=batch.epoch, version=state.version, batch=batch, at_limit=scheduled.at_limit,
+                        appended=placeholders)
+    index = state.append_placeholders(rows) if placeholders else state.num_tokens[rows]
     return Inflight(sampled, pending, requests=inputs.sample_rows, state=state, rows=rows, index=index,
-                    epoch=state.epoch[rows], version=state.version)
+                    epoch=state.epoch[rows], version=state.version, appended=placeholders)
 
 
 def resolve_rows(engine, inflight, values: np.ndarray) -> list:
@@ -64,17 +72,19 @@ def resolve_rows(engine, inflight, values: np.ndarray) -> list:
         outputs = _resolve_quiet(engine, inflight, values)
         if outputs is not None:
             return outputs
+    appended = inflight.appended
     if state.version == inflight.version:
         live = ok = None                              # every row still holds its request
-        state.token_ids[rows, index] = values
-        state.num_placeholders[rows] -= 1
+        _book(state, rows, index, values, appended)
         generated = len(rows)
         event = state.needs_host[rows] | (index >= state.last_index[rows])
     else:
         live = state.epoch[rows] == inflight.epoch    # else released since launch
-        ok = live & (state.token_ids[rows, index] == PLACEHOLDER) & (index < state.num_tokens[rows])
-        state.token_ids[rows[ok], index[ok]] = values[ok]
-        state.num_placeholders[rows[ok]] -= 1
+        if appended:
+            ok = live & (state.token_ids[rows, index] == PLACEHOLDER) & (index < state.num_tokens[rows])
+        else:
+            ok = live & (index == state.num_tokens[rows])
+        _book(state, rows[ok], index[ok], values[ok], appended)
         generated = int(np.count_nonzero(ok))
         event = ok & (state.needs_host[rows] | (index >= state.last_index[rows]))
     if state.stop_any.take(values, mode="clip").any():
@@ -106,9 +116,16 @@ def resolve_rows(engine, inflight, values: np.ndarray) -> list:
         request = requests[i]
         if not is_live:        # preempted (unbound now, resolved in its list) or finished: dropped
             tokens = request.token_ids
-            if request.is_finished or idx >= len(tokens) or tokens[idx] != PLACEHOLDER:
+            if request.is_finished:
                 continue
-            request.resolve_placeholder(idx, token)
+            if not appended:
+                if idx != len(tokens):
+                    continue
+                request.append_output(token)
+            elif idx >= len(tokens) or tokens[idx] != PLACEHOLDER:
+                continue
+            else:
+                request.resolve_placeholder(idx, token)
             generated += 1
         if request.first_token_time is None:
             request.first_token_time = now
@@ -139,14 +156,22 @@ def _resolve_quiet(engine, inflight, values: np.ndarray) -> list | None:
     if state.stop_any.take(values, mode="clip").any():
         return None
     rows, index = inflight.rows, inflight.index
-    state.token_ids[rows, index] = values
-    state.num_placeholders[rows] -= 1
+    _book(state, rows, index, values, inflight.appended)
     if engine.async_scheduling and engine.block_manager.enable_prefix_caching:
         _publish_unheld(engine.block_manager, state, rows, index, inflight.requests, None)
     engine.stats.generated_tokens += len(rows)
     if stream_none:
         return []
     return list(map(DecodeOutput, zip(inflight.requests, (index + 1).tolist(), values.tolist())))
+
+
+def _book(state, rows, index, values, appended: bool) -> None:
+    """The tokens into the rows: over their placeholders, or appended at the rows' ends."""
+    state.token_ids[rows, index] = values
+    if appended:
+        state.num_placeholders[rows] -= 1
+    else:
+        state.num_tokens[rows] = index + 1
 
 
 def _publish_unheld(blocks, state, rows, index, requests, quiet) -> None:

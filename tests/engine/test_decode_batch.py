@@ -17,7 +17,7 @@ from pcg_engine.bench.rebuild_baseline import RebuildBatch
 from pcg_engine.engine import row_booking
 from pcg_engine.engine.block_manager import BlockManager
 from pcg_engine.engine.decode_batch import DecodeBatch, ScheduledBatch
-from pcg_engine.engine.request import Request
+from pcg_engine.engine.request import PLACEHOLDER, Request
 from pcg_engine.engine.row_state import RowState
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.sampling_params import SamplingParams
@@ -146,3 +146,42 @@ def test_decode_output_reads_like_a_request_output():
         assert getattr(fast, name) == getattr(full, name), name
     assert fast.token_ids == [7, 8] and fast.new_token_ids == [8]
     assert repr(fast) == repr(full)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sync_steps_append_no_placeholder(dense_path, monkeypatch, async_scheduling):
+    """Sync scheduling reads a step back right after launching it: the rows get no placeholder,
+    the tokens are appended when read back (async: placeholders, resolved in place). In sync, a
+    row released between launch and read-back (an abort here) drops its token; the others get
+    theirs."""
+    seen = []
+    from pcg_engine.engine import llm_engine
+    real = llm_engine.resolve_rows
+
+    def check(engine, inflight, values):
+        state, rows = inflight.state, inflight.rows
+        live = state.epoch[rows] == inflight.epoch
+        assert inflight.appended == async_scheduling
+        if not async_scheduling:
+            assert not state.num_placeholders[rows[live]].any()
+            assert (state.num_tokens[rows[live]] == inflight.index[live]).all()
+        seen.append(int(live.sum()))
+        return real(engine, inflight, values)
+    monkeypatch.setattr(llm_engine, "resolve_rows", check)
+    engine = make_llm(dense_path, num_kv_blocks=100, block_size=4, max_num_seqs=8,
+                      async_scheduling=async_scheduling).engine
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, detokenize=False)
+    ids = [engine.add_request(p, params) for p in random_prompts([5, 7, 6], seed=9)]
+    for _ in range(4):
+        engine.step()
+    if not async_scheduling:
+        victim, other = engine.requests[ids[1]], engine.requests[ids[2]]
+        before, other_before = victim.num_tokens, other.num_tokens
+        launched = engine._launch(engine.scheduler.schedule())
+        engine.abort_request(ids[1])                     # released while its step is in flight
+        engine._resolve(launched)
+        assert seen[-1] == 2 and victim.num_tokens == before and victim.num_placeholders == 0
+        assert other.num_tokens == other_before + 1 and PLACEHOLDER not in other.token_ids
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen and engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
