@@ -133,7 +133,7 @@ class InputBatch:
                 return
             at = rows[grown]
             have = self.num_blocks[at]
-            if (self.state.table_len[at] - have == 1).all():    # one block each: one write
+            if not np.count_nonzero(self.state.table_len[at] - have != 1):    # one block each: one write
                 new = getattr(scheduled, "new_blocks", None)
                 if new is None:
                     new = [block_table(scheduled[i][0].request_id)[-1] for i in grown.tolist()]
@@ -296,10 +296,11 @@ class InputBatch:
         if k:
             self.device_table.scatter(k)
         same_order = rows is self._sampled_rows
-        if input_ids.min() < 0:
+        held = np.count_nonzero(input_ids < 0)       # placeholders (not .min(): see decode_batch.py)
+        if held:
             if not same_order and self._sampled_rows is not None and np.array_equal(rows, self._sampled_rows):
                 same_order = True
-            if same_order and input_ids.max() < 0:
+            if same_order and held == R:
                 # Every input takes the previous step's token in the same position (a decode batch
                 # whose order did not change): one device copy, no index upload.
                 if previous_tokens is None:

@@ -87,9 +87,9 @@ def resolve_rows(engine, inflight, values: np.ndarray) -> list:
         _book(state, rows[ok], index[ok], values[ok], appended)
         generated = int(np.count_nonzero(ok))
         event = ok & (state.needs_host[rows] | (index >= state.last_index[rows]))
-    if state.stop_any.take(values, mode="clip").any():
+    if np.count_nonzero(state.stop_any.take(values, mode="clip")):
         event |= state.stop_hit(rows, values) if ok is None else ok & state.stop_hit(rows, values)
-    any_event = event.any()
+    any_event = np.count_nonzero(event) > 0
     quiet = ~event if ok is None else ok & ~event
     if engine.async_scheduling and engine.block_manager.enable_prefix_caching:
         _publish_unheld(engine.block_manager, state, rows, index, requests, quiet)
@@ -153,7 +153,7 @@ def _resolve_quiet(engine, inflight, values: np.ndarray) -> list | None:
     needs_host, stream_all, stream_none = batch.flags(state)
     if needs_host or inflight.at_limit or not (stream_all or stream_none):
         return None
-    if state.stop_any.take(values, mode="clip").any():
+    if np.count_nonzero(state.stop_any.take(values, mode="clip")):
         return None
     rows, index = inflight.rows, inflight.index
     _book(state, rows, index, values, inflight.appended)
