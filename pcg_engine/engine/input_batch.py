@@ -300,6 +300,7 @@ class InputBatch:
         if held:
             if not same_order and self._sampled_rows is not None and np.array_equal(rows, self._sampled_rows):
                 same_order = True
+                self._sampled_rows = rows    # the same rows: the identity test answers next time
             if same_order and held == R:
                 # Every input takes the previous step's token in the same position (a decode batch
                 # whose order did not change): one device copy, no index upload.

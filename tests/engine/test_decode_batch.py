@@ -185,3 +185,23 @@ def test_sync_steps_append_no_placeholder(dense_path, monkeypatch, async_schedul
     while engine.has_unfinished_requests():
         engine.step()
     assert seen and engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_async_decode_steps_find_their_order_by_identity(dense_path, monkeypatch):
+    """Async decode steps fill their placeholder inputs by one device copy when the rows keep their
+    order; once a step has found that by comparing the arrays, the next ones find it by identity
+    (the batch's rows array), without comparing again."""
+    from pcg_engine.engine import input_batch
+    engine = make_llm(dense_path, num_kv_blocks=100, block_size=4, max_num_seqs=8, async_scheduling=True).engine
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0, detokenize=False)
+    for p in random_prompts([5, 7, 6], seed=5):
+        engine.add_request(p, params)
+    for _ in range(6):
+        engine.step()
+    compared = []
+    real = np.array_equal
+    monkeypatch.setattr(input_batch.np, "array_equal", lambda *a: compared.append(1) or real(*a))
+    for _ in range(5):
+        engine.step()
+    assert engine.runner.batch._sampled_rows is engine.scheduler._decode_batch.rows
+    assert len(compared) <= 1
