@@ -45,8 +45,11 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, max_num_tokens: int,
-                 device: torch.device):
+                 device: torch.device, host_metadata: bool = True):
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
+        # Host copies of the query starts and sequence lengths in the metadata: only the torch
+        # reference backend reads them (the model runner says), a copy and a tensor a step otherwise.
+        self.host_metadata = host_metadata
         self.max_blocks = (max_model_len + block_size - 1) // block_size
         self.max_num_tokens = max_num_tokens
         self.device = device
@@ -246,8 +249,8 @@ class InputBatch:
             query_start_loc=views.query_start_loc, seq_lens=views.seq_lens, block_table=views.block_table,
             slot_mapping=views.slot_mapping, num_reqs=Rp, num_tokens=Tp,
             max_query_len=max(int(n.max()) if R else 0, 1 if Rp > R else 0), max_seq_len=max_seq_len,
-            query_start_loc_cpu=torch.from_numpy(st.query_start_loc[:Rp + 1].copy()),
-            seq_lens_cpu=torch.from_numpy(st.seq_lens[:Rp].copy()))
+            query_start_loc_cpu=torch.from_numpy(st.query_start_loc[:Rp + 1].copy()) if self.host_metadata else None,
+            seq_lens_cpu=torch.from_numpy(st.seq_lens[:Rp].copy()) if self.host_metadata else None)
         requests = getattr(scheduled, "requests", None)
         if requests is not None and S == R:
             sample_rows = requests
@@ -315,7 +318,8 @@ class InputBatch:
         meta = AttentionMetadata(
             query_start_loc=views.query_start_loc, seq_lens=views.seq_lens, block_table=views.block_table,
             slot_mapping=views.slot_mapping, num_reqs=Rp, num_tokens=Tp, max_query_len=1, max_seq_len=max_seq_len,
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=torch.from_numpy(st.seq_lens[:Rp].copy()))
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=torch.from_numpy(st.seq_lens[:Rp].copy()) if self.host_metadata else None)
         return StepInputs(views.input_ids, views.positions, meta, views.logits_indices, R, R, scheduled.requests,
                           rows, True)
 

@@ -66,7 +66,7 @@ class ModelRunner:
                              "'piecewise')")
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.max_num_tokens,
-                                device)
+                                device, host_metadata=self.backend.name != "triton")   # torch_backend.py reads them
         t0 = time.perf_counter()
         self.num_kv_blocks = self._num_kv_blocks()
         shape = kv_cache_shape(self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)

@@ -405,3 +405,25 @@ def test_invalidate_sends_everything_again():
     a.append_output(12)
     decode.seq_lens = np.array([5])
     check_step(batch, decode, tables, {}, None)
+
+
+def test_host_metadata_only_when_asked():
+    """The host copies of query starts and sequence lengths (read by the torch reference backend
+    only) are left out when the model runner says its backend does not read them; the device
+    fields are the same."""
+    outs = []
+    for host in (True, False):
+        batch = InputBatch(4, 64, 4, 32, torch.device("cpu"), host_metadata=host)
+        reqs = []
+        for i, n in enumerate((3, 6)):
+            r = Request(f"h{i}", list(range(1, n + 1)), SimpleNamespace(max_tokens=4))
+            batch.add(r)
+            batch.update(r, [1 + i, 5 + i])
+            reqs.append(r)
+        outs.append(batch.prepare([(r, r.num_tokens) for r in reqs]))
+    with_host, without = outs
+    assert with_host.metadata.seq_lens_cpu.tolist() == [3, 6] and with_host.metadata.query_start_loc_cpu is not None
+    assert without.metadata.seq_lens_cpu is None and without.metadata.query_start_loc_cpu is None
+    for name in ("query_start_loc", "seq_lens", "slot_mapping"):
+        assert torch.equal(getattr(with_host.metadata, name), getattr(without.metadata, name))
+    assert torch.equal(with_host.input_ids, without.input_ids)
