@@ -35,6 +35,42 @@ from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 from pcg_engine.kernels.norm import add_rms_norm
 
 MAX_M = 16   # more rows than this and the projection is no longer weight-bound enough to matter
+# With PDL, a program whose weight rows span at most this many k-slices loads them all before
+# gdc_wait, so its whole weight stream may overlap the kernel before it (the kernel supports 3).
+# Session 5 loaded only single-slice rows (K <= BLOCK_K: qkv, gate_up); o_proj (2 slices) and
+# down_proj (3) of Qwen3-0.6B waited first. PCG_SKINNY_PRELOAD=1 restores that (an A/B switch for
+# benchmarks, read at import).
+MAX_PRELOAD = max(0, min(3, int(os.environ.get("PCG_SKINNY_PRELOAD", "3"))))
+
+
+@triton.jit
+def _k_slice(acc, w, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, k0, K, stride_xm, stride_rm, rstd,
+             GATED: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+             PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += (the prologue of x's k-slice k0) @ w.T, w being that slice of the weight rows."""
+    dtype = x_ptr.dtype.element_ty
+    kk = k0 * BLOCK_K + rk
+    if EVEN_K:
+        x_ok = m_ok[:, None]
+    else:
+        x_ok = m_ok[:, None] & (kk < K)[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + kk[None, :]
+    x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+    if NORM:
+        r = tl.load(res_ptr + rm[:, None] * stride_rm + kk[None, :], mask=x_ok, other=0.0)
+        xs = (x.to(tl.float32) + r.to(tl.float32)).to(dtype).to(tl.float32)
+        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+        x = (nw * (xs * rstd).to(dtype).to(tl.float32)).to(dtype)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
+        x = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+    if USE_DOT:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    else:
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += tl.sum(prod, axis=2)
+    return acc
 
 
 @triton.jit
@@ -43,13 +79,15 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
                         GATED: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr,
                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        ONE_K: tl.constexpr, PDL: tl.constexpr):
+                        PRELOAD: tl.constexpr, PDL: tl.constexpr):
     # GATED: x rows are [gate | up] (2K wide) and the GEMM's input is silu(gate) * up, computed
     # on the fly and rounded to x's dtype exactly as kernels/activation.py's kernel stores it, so
     # the fused MLP tail equals SiLU-and-mul followed by this GEMM bit for bit.
     # NORM: the input is rmsnorm(x + residual) * nw, rounded as kernels/norm.py's kernel does; a
     # first pass over the (few, L2-resident) rows finds each row's scale, and program 0 also
     # stores the new residual x + residual. The decoder layer's add + RMSNorm then costs no launch.
+    # PRELOAD (with PDL only, 0..3): the first PRELOAD k-slices of the program's weight rows are
+    # loaded before gdc_wait, so that much of the weight stream overlaps the kernel before.
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,10 +98,15 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
     wn = (rn % N).to(tl.int64)
     w_ptrs = w_ptr + wn[:, None] * stride_wn + rk[None, :]
     if PDL:  # kernels/pdl.py: weights before the wait (no kernel writes them), all else after
-        if ONE_K:  # the program's whole weight slice, streamed while the previous kernel ends
-            w_first = tl.load(w_ptrs)
+        if PRELOAD >= 1:
+            w0 = tl.load(w_ptrs)
+        if PRELOAD >= 2:
+            w1 = tl.load(w_ptrs + BLOCK_K)
+        if PRELOAD >= 3:
+            w2 = tl.load(w_ptrs + 2 * BLOCK_K)
         gdc_wait()
         gdc_launch_dependents()
+    rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if NORM:
         sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, tl.cdiv(K, BLOCK_K)):
@@ -77,37 +120,28 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
             xs = xs.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(sq / K + eps)[:, None]
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    first = 0
+    if PDL:
+        if PRELOAD >= 1:
+            acc = _k_slice(acc, w0, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 0, K, stride_xm, stride_rm, rstd,
+                           GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
+            first = 1
+        if PRELOAD >= 2:
+            acc = _k_slice(acc, w1, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 1, K, stride_xm, stride_rm, rstd,
+                           GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
+            first = 2
+        if PRELOAD >= 3:
+            acc = _k_slice(acc, w2, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 2, K, stride_xm, stride_rm, rstd,
+                           GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
+            first = 3
+    for k0 in range(first, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            x_ok = m_ok[:, None]
-            if PDL and ONE_K:
-                w = w_first
-            else:
-                w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs + k0 * BLOCK_K)
         else:
-            k_ok = rk < K - k0 * BLOCK_K
-            x_ok = m_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
-        if NORM:
-            kk = k0 * BLOCK_K + rk
-            r = tl.load(res_ptr + rm[:, None] * stride_rm + kk[None, :], mask=x_ok, other=0.0)
-            xs = (x.to(tl.float32) + r.to(tl.float32)).to(dtype).to(tl.float32)
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-            x = (nw * (xs * rstd).to(dtype).to(tl.float32)).to(dtype)
-        if GATED:
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
-        if USE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        else:
-            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+            w = tl.load(w_ptrs + k0 * BLOCK_K, mask=(k0 * BLOCK_K + rk < K)[None, :], other=0.0)
+        acc = _k_slice(acc, w, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, k0, K, stride_xm, stride_rm, rstd,
+                       GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
 
@@ -205,14 +239,18 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: b
     block_m = max(16, triton.next_power_of_2(M)) if config.use_dot else triton.next_power_of_2(M)
     block_k = min(config.block_k, max(16, triton.next_power_of_2(K)))
     grid = (triton.cdiv(N, config.block_n),)
+    pdl_kwargs = pdl.launch_kwargs(x.device)
+    even_k = K % block_k == 0
+    slices = K // block_k
+    preload = slices if even_k and pdl_kwargs["PDL"] and slices <= MAX_PRELOAD else 0
     _skinny_gemm_kernel[grid](
         x, w, y, residual, norm_weight, residual_out, M, N, K,
         x.stride(0), w.stride(0), y.stride(0), residual.stride(0), residual_out.stride(0), eps,
-        GATED=gated, NORM=norm is not None, USE_DOT=config.use_dot, EVEN_K=K % block_k == 0,
+        GATED=gated, NORM=norm is not None, USE_DOT=config.use_dot, EVEN_K=even_k,
         # fp32 stays exact (tf32 would lose 13 mantissa bits); bf16/fp16 dots ignore the setting.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, ONE_K=K == block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, PRELOAD=preload,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kwargs)
     return y
 
 
