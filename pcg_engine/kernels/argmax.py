@@ -8,6 +8,14 @@ and writes that chunk's maximum and the index of its first occurrence; pass 2, o
 picks the first chunk holding the row's maximum. Chunks are in index order, so ties resolve to the
 lowest index, as torch.argmax documents. NaN counts as larger than every number (torch.argmax
 returns a NaN's index too); a row holding both NaN and +inf may name either.
+
+The engine calls this once a step outside any CUDA graph, so its host cost is on the step's path:
+two launches through Triton's JIT cost ~50 µs on the H200's host (P4, session 6: the host-only step
+at 16 requests went 0.12 -> 0.19 ms when this replaced torch.argmax). A repeated call therefore
+re-issues the launches the first call of its shape recorded (kernels/fast_launch.py), the three
+pointers of each passed per call, keyed on everything else the launches take (device, dtype, rows,
+width, row stride). The pointers must be 16-byte aligned, the class the record was made with; an
+unaligned x goes through the JIT.
 """
 
 import os
@@ -15,6 +23,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from pcg_engine.kernels import fast_launch
 
 CHUNK = 2048
 # PCG_TRITON_ARGMAX=0: greedy steps take torch.argmax (an A/B switch for benchmarks, read at import).
@@ -55,13 +65,42 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(R, dtype=torch.int64, device=x.device)
     if R == 0:
         return out
-    num_chunks = triton.cdiv(V, CHUNK)
-    vals = torch.empty((R, num_chunks), dtype=torch.float32, device=x.device)
-    idx = torch.empty((R, num_chunks), dtype=torch.int32, device=x.device)
-    _chunk_max_kernel[(R, num_chunks)](x, vals, idx, V, x.stride(0), num_chunks, CHUNK=CHUNK, num_warps=4)
-    _pick_chunk_kernel[(R,)](vals, idx, out, num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-                             num_warps=1)
+    num_chunks = -(-V // CHUNK)
+    # One scratch allocation: the chunk maxima (fp32), then their indices (int32) from a 16-byte
+    # boundary, so both keep the alignment class their recorded launch was made with.
+    idx_at = -(-R * num_chunks // 4) * 4
+    scratch = torch.empty(idx_at + R * num_chunks, dtype=torch.float32, device=x.device)
+    x_p, s_p, o_p = x.data_ptr(), scratch.data_ptr(), out.data_ptr()
+    i_p = s_p + idx_at * 4
+    key = None
+    if fast_launch.ENABLED and not (x_p | s_p | o_p) & 15:
+        key = (fast_launch.current_device(), x.dtype, R, V, x.stride(0))
+        plan = _PLANS.get(key)
+        if plan is not None and not fast_launch.hooks_set():
+            stream = fast_launch.current_stream(key[0])
+            plan[0](stream, (x_p, s_p, i_p))
+            plan[1](stream, (s_p, i_p, o_p))
+            return out
+    vals = scratch[:R * num_chunks].view(R, num_chunks)
+    idx = scratch[idx_at:].view(torch.int32).view(R, num_chunks)
+    args1 = (x, vals, idx, V, x.stride(0), num_chunks)
+    kw1 = dict(CHUNK=CHUNK, num_warps=4)
+    args2 = (vals, idx, out, num_chunks)
+    kw2 = dict(CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1)
+    if key is None:
+        _chunk_max_kernel[(R, num_chunks)](*args1, **kw1)
+        _pick_chunk_kernel[(R,)](*args2, **kw2)
+        return out
+    first = fast_launch.jit_launch(_chunk_max_kernel, (R, num_chunks), args1, kw1, slots=3)
+    second = fast_launch.jit_launch(_pick_chunk_kernel, (R,), args2, kw2, slots=3)
+    if first is not None and second is not None:
+        _PLANS.put(key, (first, second))
     return out
+
+
+# (device, dtype, R, V, row stride) -> the two recorded launches. R is the step's row count: a
+# few dozen live values in a serving run.
+_PLANS = fast_launch.LaunchCache(256)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

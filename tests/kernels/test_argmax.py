@@ -46,3 +46,26 @@ def test_strided_rows_and_empty_batch():
 def test_gpu_real_vocab(rows):
     x = torch.randn(rows, 151936, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_repeated_calls_reissue_the_recorded_launches():
+    """The second and later calls of a shape go through the recorded launches (fast_launch): fresh
+    inputs, a strided view and a row count not seen before must still match torch.argmax."""
+    from pcg_engine.kernels import argmax as am
+    from pcg_engine.kernels import fast_launch
+    am._PLANS.clear()
+    for step in range(6):
+        x = torch.randn(3, 151936, device="cuda", dtype=torch.bfloat16)
+        x[step % 3, 1000 * step + 5] = 50.0
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), step
+    if fast_launch.ENABLED:
+        assert len(am._PLANS) == 1
+    wide = torch.randn(5, 160000, device="cuda")
+    view = wide[:, :151936]
+    for _ in range(3):
+        view.normal_()
+        assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+    if fast_launch.ENABLED:
+        assert len(am._PLANS) == 2
