@@ -35,12 +35,27 @@ from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 from pcg_engine.kernels.norm import add_rms_norm
 
 MAX_M = 16   # more rows than this and the projection is no longer weight-bound enough to matter
-# With PDL, a program whose weight rows span at most this many k-slices loads them all before
-# gdc_wait, so its whole weight stream may overlap the kernel before it (the kernel supports 3).
-# Session 5 loaded only single-slice rows (K <= BLOCK_K: qkv, gate_up); o_proj (2 slices) and
-# down_proj (3) of Qwen3-0.6B waited first. PCG_SKINNY_PRELOAD=1 restores that (an A/B switch for
-# benchmarks, read at import).
-MAX_PRELOAD = max(0, min(3, int(os.environ.get("PCG_SKINNY_PRELOAD", "3"))))
+# With PDL, a program loads the first k-slices of its weight rows before gdc_wait, so that much of
+# its weight stream may overlap the kernel before it: as many slices as hold at most
+# PRELOAD_PER_THREAD weight elements a thread (registers: 64 bf16 are 32), at most MAX_PRELOAD (the
+# kernel has four slots). Session 5 preloaded only single-slice rows (K <= BLOCK_K: 0.6B's qkv and
+# gate_up); o_proj (2 slices of 1024) and down_proj (3) waited first. Measured on the H200 (session 6,
+# call 1, P1 0.6B full_decode, same call): 0.915 -> 0.860 ms a token. PCG_SKINNY_PRELOAD=0 restores
+# session 5's rule (an A/B switch for benchmarks, read at import).
+MAX_PRELOAD = 4
+PRELOAD_PER_THREAD = 64
+_PRELOAD_WIDE = os.environ.get("PCG_SKINNY_PRELOAD", "1") != "0"
+
+
+def preload_slices(block_n: int, block_k: int, k: int, num_warps: int) -> int:
+    """How many k-slices of weight a program loads before gdc_wait (kernels with PDL only)."""
+    if k % block_k:
+        return 0
+    slices = k // block_k
+    if not _PRELOAD_WIDE:
+        return 1 if slices == 1 else 0
+    fit = PRELOAD_PER_THREAD * 32 * num_warps // (block_n * block_k)
+    return max(0, min(slices, MAX_PRELOAD, fit))
 
 
 @triton.jit
@@ -86,7 +101,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
     # NORM: the input is rmsnorm(x + residual) * nw, rounded as kernels/norm.py's kernel does; a
     # first pass over the (few, L2-resident) rows finds each row's scale, and program 0 also
     # stores the new residual x + residual. The decoder layer's add + RMSNorm then costs no launch.
-    # PRELOAD (with PDL only, 0..3): the first PRELOAD k-slices of the program's weight rows are
+    # PRELOAD (with PDL only, 0..4): the first PRELOAD k-slices of the program's weight rows are
     # loaded before gdc_wait, so that much of the weight stream overlaps the kernel before.
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -104,6 +119,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
             w1 = tl.load(w_ptrs + BLOCK_K)
         if PRELOAD >= 3:
             w2 = tl.load(w_ptrs + 2 * BLOCK_K)
+        if PRELOAD >= 4:
+            w3 = tl.load(w_ptrs + 3 * BLOCK_K)
         gdc_wait()
         gdc_launch_dependents()
     rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
@@ -135,6 +152,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
             acc = _k_slice(acc, w2, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 2, K, stride_xm, stride_rm, rstd,
                            GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
             first = 3
+        if PRELOAD >= 4:
+            acc = _k_slice(acc, w3, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 3, K, stride_xm, stride_rm, rstd,
+                           GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
+            first = 4
     for k0 in range(first, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w = tl.load(w_ptrs + k0 * BLOCK_K)
@@ -180,6 +201,19 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (2, 4096, 1024): SkinnyConfig(4, 1024, False, 4, 3),
     (2, 6144, 1024): SkinnyConfig(4, 1024, False, 4, 3),
 }
+
+# Qwen3-8B at one row on the CUDA-core path, which folds the add + RMSNorm into qkv / gate_up and
+# SiLU-and-mul into down (two launches a layer fewer) and preloads weight under PDL. In the session 3
+# sweep, without PDL or folds: qkv 15.6 vs cuBLAS 15.6 us, o 11.6 vs 13.3, gate_up 49.2 vs 48.1,
+# down 28.3 vs 29.7. Not measured in the model yet: PCG_SKINNY_8B=1 adds them (read at import).
+TUNED_8B: dict[tuple[int, int, int], SkinnyConfig] = {
+    (1, 6144, 4096): SkinnyConfig(8, 1024, False, 4, 3),
+    (1, 4096, 4096): SkinnyConfig(4, 1024, False, 4, 3),
+    (1, 24576, 4096): SkinnyConfig(8, 1024, False, 4, 3),
+    (1, 4096, 12288): SkinnyConfig(4, 1024, False, 4, 3),
+}
+if os.environ.get("PCG_SKINNY_8B", "0") == "1":
+    TUNED.update(TUNED_8B)
 
 # Tensor-core configs for Qwen3-8B (o_proj at 1-16 rows, down_proj at one row; 1.08-1.18x cuBLAS
 # in the sweep, no prologue) measured slower in the model: P1 8B 4.91 ms vs 4.74 (session 4,
@@ -241,8 +275,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: b
     grid = (triton.cdiv(N, config.block_n),)
     pdl_kwargs = pdl.launch_kwargs(x.device)
     even_k = K % block_k == 0
-    slices = K // block_k
-    preload = slices if even_k and pdl_kwargs["PDL"] and slices <= MAX_PRELOAD else 0
+    preload = preload_slices(config.block_n, block_k, K, config.num_warps) if pdl_kwargs["PDL"] else 0
     _skinny_gemm_kernel[grid](
         x, w, y, residual, norm_weight, residual_out, M, N, K,
         x.stride(0), w.stride(0), y.stride(0), residual.stride(0), residual_out.stride(0), eps,

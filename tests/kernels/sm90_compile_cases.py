@@ -103,7 +103,8 @@ def skinny_cases(add):
         roles[(2 * m.inter, m.hidden)] = ("norm",)
         roles[(m.hidden, m.hq * m.d)] = ("plain",)
         roles[(m.hidden, m.inter)] = ("gated",)
-    for (rows, n, k), config in sorted(sg.TUNED.items()):
+    # TUNED_8B: what PCG_SKINNY_8B=1 adds (an A/B switch; compiled here whether or not it is set)
+    for (rows, n, k), config in sorted({**sg.TUNED, **sg.TUNED_8B}.items()):
         for mode in roles.get((n, k), ("plain",)):
             w = empty(n, k, dtype=torch.bfloat16)
             x = empty(rows, 2 * k if mode == "gated" else k, dtype=torch.bfloat16)
@@ -114,6 +115,8 @@ def skinny_cases(add):
                     gated=mode == "gated", norm=norm)
     add("skinny_gemm fp32 plain M=1 N=1024 K=2048", True, sg.skinny_gemm, empty(1, 2048, dtype=torch.float32),
         empty(1024, 2048, dtype=torch.float32), sg.TUNED[(1, 1024, 2048)])
+    add("skinny_gemm plain M=1 N=4096 K=4096, four preloaded slices", True, sg.skinny_gemm,
+        empty(1, 4096, dtype=torch.bfloat16), empty(4096, 4096, dtype=torch.bfloat16), sg.SkinnyConfig(2, 1024, False, 4, 3))
     add("skinny_gemm tensor-core M=8 (benchmark sweep)", True, sg.skinny_gemm, empty(8, 4096, dtype=torch.bfloat16),
         empty(4096, 4096, dtype=torch.bfloat16), sg.SkinnyConfig(64, 128, True, 4, 4))
 

@@ -176,3 +176,18 @@ def test_prologues_fold_only_into_cuda_core_configs(monkeypatch):
     assert sg.prologue_config(1, 32, 64) == SkinnyConfig(4, 64, False)
     assert sg.prologue_config(2, 32, 64) is None        # tensor-core config: two kernels instead
     assert sg.tuned_config(2, 32, 64) == SkinnyConfig(16, 32, True)   # the projection alone still may
+
+
+def test_preload_slices_fit_the_register_budget(monkeypatch):
+    """With PDL a program preloads as many k-slices of its weight rows as fit 64 elements a thread
+    (4 warps: 8,192 elements), at most four, none when K is not a multiple of the slice."""
+    monkeypatch.setattr(sg, "_PRELOAD_WIDE", True)
+    assert sg.preload_slices(2, 1024, 2048, 4) == 2      # Qwen3-0.6B o_proj: whole rows
+    assert sg.preload_slices(2, 1024, 3072, 4) == 3      # down_proj: whole rows
+    assert sg.preload_slices(4, 1024, 1024, 4) == 1      # qkv / gate_up
+    assert sg.preload_slices(2, 1024, 8192, 4) == 4      # capped at the kernel's four slots
+    assert sg.preload_slices(8, 1024, 4096, 4) == 1      # 8B qkv: one slice fits the budget
+    assert sg.preload_slices(8, 1024, 4096, 8) == 2      # twice the threads, twice the slices
+    assert sg.preload_slices(2, 1024, 3000, 4) == 0      # a masked tail: no preload
+    monkeypatch.setattr(sg, "_PRELOAD_WIDE", False)      # PCG_SKINNY_PRELOAD=0: session 5's rule
+    assert sg.preload_slices(2, 1024, 2048, 4) == 0 and sg.preload_slices(4, 1024, 1024, 4) == 1
