@@ -202,19 +202,10 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (2, 6144, 1024): SkinnyConfig(4, 1024, False, 4, 3),
 }
 
-# Qwen3-8B at one row on the CUDA-core path, which folds the add + RMSNorm into qkv / gate_up and
-# SiLU-and-mul into down (two launches a layer fewer) and preloads weight under PDL. In the session 3
-# sweep, without PDL or folds: qkv 15.6 vs cuBLAS 15.6 us, o 11.6 vs 13.3, gate_up 49.2 vs 48.1,
-# down 28.3 vs 29.7. Not measured in the model yet: PCG_SKINNY_8B=1 adds them (read at import).
-TUNED_8B: dict[tuple[int, int, int], SkinnyConfig] = {
-    (1, 6144, 4096): SkinnyConfig(8, 1024, False, 4, 3),
-    (1, 4096, 4096): SkinnyConfig(4, 1024, False, 4, 3),
-    (1, 24576, 4096): SkinnyConfig(8, 1024, False, 4, 3),
-    (1, 4096, 12288): SkinnyConfig(4, 1024, False, 4, 3),
-}
-if os.environ.get("PCG_SKINNY_8B", "0") == "1":
-    TUNED.update(TUNED_8B)
-
+# Qwen3-8B at one row on the CUDA-core path (the session 3 sweep's best CUDA-core tiles, with the
+# add + RMSNorm and SiLU-and-mul folds and the PDL preload: qkv (8, 1024), o (4, 1024), gate_up
+# (8, 1024), down (4, 1024)) measured slower in the model too: P1 8B full_decode 5.11 vs 4.68 ms,
+# full_and_piecewise 5.11 vs 4.80 (session 6, call 2, same call), so 8B stays on cuBLAS.
 # Tensor-core configs for Qwen3-8B (o_proj at 1-16 rows, down_proj at one row; 1.08-1.18x cuBLAS
 # in the sweep, no prologue) measured slower in the model: P1 8B 4.91 ms vs 4.74 (session 4,
 # call 3, docs/PERF.md), so 8B stays on cuBLAS.

@@ -103,8 +103,7 @@ def skinny_cases(add):
         roles[(2 * m.inter, m.hidden)] = ("norm",)
         roles[(m.hidden, m.hq * m.d)] = ("plain",)
         roles[(m.hidden, m.inter)] = ("gated",)
-    # TUNED_8B: what PCG_SKINNY_8B=1 adds (an A/B switch; compiled here whether or not it is set)
-    for (rows, n, k), config in sorted({**sg.TUNED, **sg.TUNED_8B}.items()):
+    for (rows, n, k), config in sorted(sg.TUNED.items()):
         for mode in roles.get((n, k), ("plain",)):
             w = empty(n, k, dtype=torch.bfloat16)
             x = empty(rows, 2 * k if mode == "gated" else k, dtype=torch.bfloat16)
