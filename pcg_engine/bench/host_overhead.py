@@ -16,6 +16,9 @@ the host time (~1.3 ms at 256 rows x 1024 on the dev machine; on a GPU it is a k
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 
 import numpy as np
@@ -42,7 +45,7 @@ class FakeForward:
 
 
 def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int, seed: int,
-            fake_vocab: int | None = None) -> dict:
+            fake_vocab: int | None = None, profile_path: str | None = None) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     persistent = runner.batch
     if impl == "rebuild":
@@ -64,8 +67,14 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
             engine.step()
         common.reset_stats(llm)
         fake.prepare_s = 0.0
+        profiler = cProfile.Profile() if profile_path else None
+        if profiler is not None:
+            profiler.enable()
         for _ in range(steps):
             engine.step()
+        if profiler is not None:
+            profiler.disable()
+            _write_profile(profiler, profile_path, f"{impl}, {n} running, {steps} timed steps")
         stats = engine.stats
         decoded = stats.generated_tokens
         result = {"impl": impl, "running": n, "steps": stats.steps,
@@ -82,6 +91,17 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
     finally:
         del runner.execute                  # back to the class's method
         runner.batch = persistent
+
+
+def _write_profile(profiler, path: str, title: str) -> None:
+    """pstats file at path, the top 40 functions by own time at path.txt (read them on the machine
+    that ran it: the profile is of that host)."""
+    profiler.dump_stats(path)
+    text = io.StringIO()
+    text.write(f"=== cProfile: {title}\n")
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    with open(path + ".txt", "w") as f:
+        f.write(text.getvalue())
 
 
 def run_host_only(args, console) -> dict:
@@ -101,8 +121,9 @@ def run_host_only(args, console) -> dict:
             # Fresh prompts per run: repeating them would let the prefix cache skip the next run's prefill.
             seed = args.seed + 1 + 2 * i + j
             with console.status(f"{impl} at {n} running requests"):
+                profile = getattr(args, "host_profile", None) if impl == "persistent" and n == biggest else None
                 rows.append(measure(llm, impl, n, args.host_steps, args.prompt_len, args.warm_steps, seed,
-                                    getattr(args, "fake_vocab", None)))
+                                    getattr(args, "fake_vocab", None), profile))
     llm.close()
     by = {(r["impl"], r["running"]): r for r in rows}
     summary = []

@@ -150,6 +150,9 @@ def make_parser() -> argparse.ArgumentParser:
     h.add_argument("--host-steps", type=int, default=50, help="timed decode steps per size")
     h.add_argument("--warm-steps", type=int, default=5)
     h.add_argument("--host-async", action="store_true", help="async scheduling in the host-only run")
+    h.add_argument("--host-profile", default=None, metavar="PATH",
+                   help="cProfile the timed steps of the persistent batch at the largest size; stats to PATH "
+                        "(pstats format) and the top functions to PATH.txt")
     h.add_argument("--fake-vocab", type=int, default=None,
                    help="width of the fake logits (default: the model's vocabulary). On a CPU the greedy "
                         "argmax over them is real work (~1.3 ms at 256 x 1024 on the dev machine) that a GPU "

@@ -175,12 +175,19 @@ def test_overhead_table(tmp_path, capsys):
 
 def test_host_overhead(tmp_path):
     out = tmp_path / "host.json"
+    prof = tmp_path / "host.prof"
     assert overhead.main(["--host-only", "--device", "cpu", "--batch-sizes", "4,8", "--host-steps", "3",
-                          "--warm-steps", "1", "--prompt-len", "16", "--json", str(out)]) == 0
+                          "--warm-steps", "1", "--prompt-len", "16", "--json", str(out),
+                          "--host-profile", str(prof)]) == 0
     data = read(out)
     assert [s["running"] for s in data["host_only"]] == [4, 8]
     for run in data["runs"]:
         assert run["steps"] == 3 and run["tokens_per_step"] == run["running"] and run["host_ms_per_step"] > 0
+    # the profile covers the persistent batch's timed steps at the largest size only: 3 engine steps
+    import pstats
+    steps = [v for k, v in pstats.Stats(str(prof)).stats.items() if k[2] == "step" and "llm_engine" in k[0]]
+    assert len(steps) == 1 and steps[0][1] == 3
+    assert "persistent, 8 running, 3 timed steps" in (tmp_path / "host.prof.txt").read_text()
 
 
 def test_profile_writes_trace_and_png(tmp_path):
