@@ -58,7 +58,7 @@ class Lockstep:
                     request = self.requests[rid][i]
                     request.num_computed_tokens += n
                     if rid in picked:
-                        request.token_ids.append(picked[rid])
+                        request.append_output(picked[rid])
                     runner.batch.update(request, self.blocks[rid])
         return results
 
@@ -70,7 +70,7 @@ class Lockstep:
 
 
 # Steps of a mixed workload: prefill chunks and decodes, token counts in and between buckets,
-# 1 (padded to 2) and, with max_capture_tokens=32, a step above the largest bucket.
+# 1 (bucket 1: unpadded) and, with max_capture_tokens=32, a step above the largest bucket.
 PROMPTS = {"a": list(range(3, 8)), "b": [(7 * i) % 1000 + 3 for i in range(17)],
            "c": [(13 * i) % 997 + 5 for i in range(30)], "d": [(11 * i) % 991 + 2 for i in range(9)]}
 SCHEDULE = [
