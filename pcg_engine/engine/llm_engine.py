@@ -30,7 +30,8 @@ from pcg_engine.engine.model_runner import ModelRunner
 from pcg_engine.engine.readback import TokenReadback
 from pcg_engine.engine.request import PLACEHOLDER, Request, RequestStatus
 from pcg_engine.engine.row_booking import Inflight, launch_rows, resolve_rows
-from pcg_engine.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors, make_generator
+from pcg_engine.engine.sampler import Sampler, SamplerOutput
+from pcg_engine.engine.sampling_tensors import SamplingRow, SamplingTensors, make_generator
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import LazyTokenizer, eos_token_ids
 from pcg_engine.errors import InvalidRequestError

@@ -3,8 +3,9 @@ from collections import Counter
 import pytest
 import torch
 
-from pcg_engine.engine.sampler import (Sampler, SamplingRow, SamplingTensors, apply_min_tokens,
-                                       apply_penalties, apply_warpers, make_generator)
+from pcg_engine.engine.logits_processors import apply_min_tokens, apply_penalties, apply_warpers
+from pcg_engine.engine.sampler import Sampler
+from pcg_engine.engine.sampling_tensors import SamplingRow, SamplingTensors, make_generator
 from pcg_engine.errors import InvalidRequestError
 from pcg_engine.sampling_params import SamplingParams as SP
 
