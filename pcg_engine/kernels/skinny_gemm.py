@@ -174,7 +174,6 @@ class SkinnyConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
-    prologue: bool = True   # whether the norm / SiLU-and-mul folds may ride on it (prologue_config)
 
 
 # (rows bucket, N, K) -> config, for bf16 on the H200. Rows are bucketed to the next power of two.
@@ -207,18 +206,6 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
 # add + RMSNorm and SiLU-and-mul folds and the PDL preload: qkv (8, 1024), o (4, 1024), gate_up
 # (8, 1024), down (4, 1024)) measured slower in the model too: P1 8B full_decode 5.11 vs 4.68 ms,
 # full_and_piecewise 5.11 vs 4.80 (session 6, call 2, same call), so 8B stays on cuBLAS.
-# The likely cause: at 8B every program of a folded projection re-reads the whole activation (the
-# norm's two passes over 4,096 elements, SiLU-and-mul's 2 x 12,288) from L2, 768-3,072 programs a
-# launch. Without folds, o_proj and down_proj alone: cuBLAS runs them split-K at one row, 11.1 and
-# 28.2 us plus a 1.9 us reduce kernel each (session 6 call 3's 8B kernel list), the skinny kernel 11.6
-# and 28.3 in the sweep. PCG_SKINNY_8B_PLAIN=1 adds those two, unfolded (an A/B switch, read at
-# import; prediction: -3 us a layer, P1 8B 4.68 -> 4.55-4.6 ms).
-TUNED_8B_PLAIN: dict[tuple[int, int, int], SkinnyConfig] = {
-    (1, 4096, 4096): SkinnyConfig(4, 1024, False, 4, 3, prologue=False),    # o_proj
-    (1, 4096, 12288): SkinnyConfig(4, 1024, False, 4, 3, prologue=False),   # down_proj
-}
-if os.environ.get("PCG_SKINNY_8B_PLAIN", "0") == "1":
-    TUNED.update(TUNED_8B_PLAIN)
 # Tensor-core configs for Qwen3-8B (o_proj at 1-16 rows, down_proj at one row; 1.08-1.18x cuBLAS
 # in the sweep, no prologue) measured slower in the model: P1 8B 4.91 ms vs 4.74 (session 4,
 # call 3, docs/PERF.md), so 8B stays on cuBLAS.
@@ -308,7 +295,7 @@ def prologue_config(m: int, n: int, k: int) -> SkinnyConfig | None:
     2.6x slower (P1 full_decode 4.97 -> 12.9 ms, docs/PERF.md session 3, last call), and batch
     2-16 steps of 0.6B slower too; there the two-kernel path runs (projection still skinny)."""
     config = tuned_config(m, n, k)
-    return config if config is not None and not config.use_dot and config.prologue else None
+    return config if config is not None and not config.use_dot else None
 
 
 def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -114,9 +114,6 @@ def skinny_cases(add):
                     gated=mode == "gated", norm=norm)
     add("skinny_gemm fp32 plain M=1 N=1024 K=2048", True, sg.skinny_gemm, empty(1, 2048, dtype=torch.float32),
         empty(1024, 2048, dtype=torch.float32), sg.TUNED[(1, 1024, 2048)])
-    for (rows, n, k), config in sorted(sg.TUNED_8B_PLAIN.items()):   # PCG_SKINNY_8B_PLAIN=1's entries
-        add(f"skinny_gemm plain M={rows} N={n} K={k} (8B, unfolded)", True, sg.skinny_gemm,
-            empty(rows, k, dtype=torch.bfloat16), empty(n, k, dtype=torch.bfloat16), config)
     add("skinny_gemm plain M=1 N=4096 K=4096, four preloaded slices", True, sg.skinny_gemm,
         empty(1, 4096, dtype=torch.bfloat16), empty(4096, 4096, dtype=torch.bfloat16), sg.SkinnyConfig(2, 1024, False, 4, 3))
     add("skinny_gemm tensor-core M=8 (benchmark sweep)", True, sg.skinny_gemm, empty(8, 4096, dtype=torch.bfloat16),

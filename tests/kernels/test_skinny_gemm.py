@@ -191,13 +191,3 @@ def test_preload_slices_fit_the_register_budget(monkeypatch):
     assert sg.preload_slices(2, 1024, 3000, 4) == 0      # a masked tail: no preload
     monkeypatch.setattr(sg, "_PRELOAD_WIDE", False)      # PCG_SKINNY_PRELOAD=0: session 5's rule
     assert sg.preload_slices(2, 1024, 2048, 4) == 0 and sg.preload_slices(4, 1024, 1024, 4) == 1
-
-
-def test_a_config_without_prologue_keeps_the_folds_off(monkeypatch):
-    """prologue=False (the unfolded 8B entries): the projection takes the kernel, the norm and the
-    SiLU-and-mul stay separate launches."""
-    plain = SkinnyConfig(4, 64, False, prologue=False)
-    monkeypatch.setattr(sg, "TUNED", {(1, 32, 64): plain})
-    assert sg.tuned_config(1, 32, 64) is plain and sg.prologue_config(1, 32, 64) is None
-    monkeypatch.setattr(sg, "TUNED", {(1, 32, 64): SkinnyConfig(4, 64, False)})
-    assert sg.prologue_config(1, 32, 64) is not None
