@@ -205,7 +205,9 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
 # Qwen3-8B at one row on the CUDA-core path (the session 3 sweep's best CUDA-core tiles, with the
 # add + RMSNorm and SiLU-and-mul folds and the PDL preload: qkv (8, 1024), o (4, 1024), gate_up
 # (8, 1024), down (4, 1024)) measured slower in the model too: P1 8B full_decode 5.11 vs 4.68 ms,
-# full_and_piecewise 5.11 vs 4.80 (session 6, call 2, same call), so 8B stays on cuBLAS.
+# full_and_piecewise 5.11 vs 4.80 (session 6, call 2, same call), so 8B stays on cuBLAS. Without the
+# folds, o_proj and down_proj alone on the kernel (4, 1024) still lost: 4.682 / 4.683 vs 4.647 ms
+# (session 6, final call, alternated), although cuBLAS runs both split-K with a reduce kernel.
 # Tensor-core configs for Qwen3-8B (o_proj at 1-16 rows, down_proj at one row; 1.08-1.18x cuBLAS
 # in the sweep, no prologue) measured slower in the model: P1 8B 4.91 ms vs 4.74 (session 4,
 # call 3, docs/PERF.md), so 8B stays on cuBLAS.
