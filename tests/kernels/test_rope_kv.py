@@ -58,7 +58,9 @@ def test_rope_kv_matches_reference(T, Hq, Hk, D, dtype, block_size, num_pad, fus
     torch.testing.assert_close(cache[:, 0, 1:], ref_cache[:, 0, 1:], atol=0, rtol=0)
     if num_pad:
         pad_k = apply_rope(k, positions, cos_sin)[T - num_pad:].to(dtype)
-        hit = [(cache[0, 0, 0] - pk).abs().max() <= 2e-2 for pk in pad_k]
+        # The same tolerance as the real blocks above: an absolute 2e-2 alone failed now and then in
+        # bf16, where one rounding step of a value near 4 is 0.03 (the reference rotates in bf16).
+        hit = [torch.allclose(cache[0, 0, 0].float(), pk.float(), **tol) for pk in pad_k]
         assert any(hit)
 
 
