@@ -103,6 +103,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
     # stores the new residual x + residual. The decoder layer's add + RMSNorm then costs no launch.
     # PRELOAD (with PDL only, 0..4): the first PRELOAD k-slices of the program's weight rows are
     # loaded before gdc_wait, so that much of the weight stream overlaps the kernel before.
+    tl.static_assert(PDL or PRELOAD == 0, "PRELOAD needs PDL: the k loop starts after the preloaded slices")
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,25 +139,20 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
             sq += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(sq / K + eps)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first = 0
-    if PDL:
+    if PDL:  # the preloaded slices first (four slots: Triton has no array of register tiles)
         if PRELOAD >= 1:
             acc = _k_slice(acc, w0, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 0, K, stride_xm, stride_rm, rstd,
                            GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
-            first = 1
         if PRELOAD >= 2:
             acc = _k_slice(acc, w1, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 1, K, stride_xm, stride_rm, rstd,
                            GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
-            first = 2
         if PRELOAD >= 3:
             acc = _k_slice(acc, w2, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 2, K, stride_xm, stride_rm, rstd,
                            GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
-            first = 3
         if PRELOAD >= 4:
             acc = _k_slice(acc, w3, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 3, K, stride_xm, stride_rm, rstd,
                            GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
-            first = 4
-    for k0 in range(first, tl.cdiv(K, BLOCK_K)):
+    for k0 in range(PRELOAD, tl.cdiv(K, BLOCK_K)):   # the launcher passes PRELOAD 0 without PDL
         if EVEN_K:
             w = tl.load(w_ptrs + k0 * BLOCK_K)
         else:

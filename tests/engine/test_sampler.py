@@ -58,15 +58,22 @@ def test_mixed_greedy_and_random_rows(device):
 
 # -- distribution of sampled tokens --------------------------------------------------------------
 
-def ref_probs(logits: torch.Tensor, p: SP) -> torch.Tensor:
-    """Sequential HF-style warpers in float64: temperature, min_p, top_k, top_p; ties at a
-    top-k / top-p cut are kept (the sampler thresholds by value)."""
+def ref_before_top_p(logits: torch.Tensor, p: SP) -> torch.Tensor:
+    """The reference warpers up to top_p, in float64: temperature, min_p, top_k (ties at the
+    top-k cut kept)."""
     x = logits.double() / p.temperature
     if p.min_p > 0:
         probs = x.softmax(-1)
         x[probs < p.min_p * probs.max()] = float("-inf")
     if p.top_k > 0:
         x[x < x.sort(descending=True).values[p.top_k - 1]] = float("-inf")
+    return x
+
+
+def ref_probs(logits: torch.Tensor, p: SP) -> torch.Tensor:
+    """Sequential HF-style warpers in float64: temperature, min_p, top_k, top_p; ties at a
+    top-k / top-p cut are kept (the sampler thresholds by value)."""
+    x = ref_before_top_p(logits, p)
     if p.top_p < 1:
         probs = x.softmax(-1)
         sp, order = probs.sort(descending=True)
@@ -120,13 +127,7 @@ def nucleus_edge_is_a_rounding_call(logits: torch.Tensor, p: SP, margin: float =
     nothing about the warpers. Random logits land there now and then (CI saw one such row)."""
     if p.top_p >= 1:
         return False
-    x = logits.double() / p.temperature
-    if p.min_p > 0:
-        probs = x.softmax(-1)
-        x[probs < p.min_p * probs.max()] = float("-inf")
-    if p.top_k > 0:
-        x[x < x.sort(descending=True).values[p.top_k - 1]] = float("-inf")
-    sp = x.softmax(-1).sort(descending=True).values
+    sp = ref_before_top_p(logits, p).softmax(-1).sort(descending=True).values
     return bool(((sp.cumsum(-1) - sp - p.top_p).abs() < margin).any())
 
 
