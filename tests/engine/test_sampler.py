@@ -121,10 +121,12 @@ def test_warper_kept_set_matches_reference(device, params, raw):
     assert compared >= R // 2
 
 
-def nucleus_edge_is_a_rounding_call(logits: torch.Tensor, p: SP, margin: float = 1e-4) -> bool:
+def nucleus_edge_is_a_rounding_call(logits: torch.Tensor, p: SP, margin: float = 1e-5) -> bool:
     """Whether some token's mass-before lies within `margin` of top_p: then float32 (the sampler)
     and float64 (the reference) may put the nucleus edge on either side of it, and the row says
-    nothing about the warpers. Random logits land there now and then (CI saw one such row)."""
+    nothing about the warpers. Random logits land there now and then (CI saw one such row). The
+    rows that really disagreed had the edge 4e-8 to 1e-7 from top_p (2 in 19,200 rows); a margin of
+    1e-4 skipped 30% of the top_p=0.8 rows, so that sometimes fewer than half were compared."""
     if p.top_p >= 1:
         return False
     sp = ref_before_top_p(logits, p).softmax(-1).sort(descending=True).values
