@@ -30,3 +30,22 @@ def test_gpu_readback_does_not_wait_for_later_work():
     assert got1 == want1.tolist() and got2 == want2.tolist()
     assert waited < 0.2, f"the read-back waited {waited:.2f} s: for work enqueued after it"
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_readback_event_follows_the_current_stream():
+    """The event is recorded on the stream that is current at start() (cached per raw stream): on a
+    side stream it waits for that stream's copy, and the default stream's entry is not reused there."""
+    dev = torch.device("cuda")
+    rb = TokenReadback(8, dev)
+    side = torch.cuda.Stream(dev)
+    for stream in (torch.cuda.current_stream(dev), side, torch.cuda.current_stream(dev), side):
+        want = torch.randint(0, 1000, (7,))
+        with torch.cuda.stream(stream):
+            ids = want.to(dev, non_blocking=False)
+            torch.cuda._sleep(50_000_000)       # ~25 ms of work ahead of the copy on this stream
+            pending = rb.start(SamplerOutput(token_ids=ids))
+        assert not pending.event.query()       # the copy sits behind the sleep on `stream`
+        assert rb.wait(pending) == want.tolist()
+    assert len(rb._streams) == 2
+    torch.cuda.synchronize()
