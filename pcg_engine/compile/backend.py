@@ -86,11 +86,27 @@ def _fake_inputs(gm, example_inputs):
     return fake_mode, fakes
 
 
+class EagerOp:
+    """A splitting-op submodule run as a direct call of the op's Python kernel (see eager_call).
+    `target` is the op, `kernel` its Python kernel, `pick` orders the submodule's inputs as the
+    op's arguments; replay programs (replay_program.py) read them."""
+
+    __slots__ = ("target", "kernel", "pick")
+
+    def __init__(self, target, kernel, pick):
+        self.target, self.kernel, self.pick = target, kernel, pick
+
+    def __call__(self, *inputs):
+        self.kernel(*self.pick(inputs))
+        return ()
+
+
 def eager_call(gm: torch.fx.GraphModule):
     """What the split module calls for a splitting-op submodule, which runs eagerly once per layer
-    per step: the op's Python kernel itself when the submodule is one call of a pcg op on its inputs
-    that returns nothing (the dispatcher, nn.Module.__call__ and GraphModule's call wrapper each cost
-    µs of host time and, outside a trace, only forward to that kernel); else the graph's code."""
+    per step: the op's Python kernel itself (an EagerOp) when the submodule is one call of a pcg op
+    on its inputs that returns nothing (the dispatcher, nn.Module.__call__ and GraphModule's call
+    wrapper each cost µs of host time and, outside a trace, only forward to that kernel); else the
+    graph's code."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     calls = [n for n in nodes if n.op == "call_function"]
@@ -101,21 +117,18 @@ def eager_call(gm: torch.fx.GraphModule):
     if (kernel is None or call.kwargs or len(call.args) < 2 or output.args != ((),)
             or any(a not in placeholders for a in call.args)):
         return gm.forward
-    pick = operator.itemgetter(*(placeholders.index(a) for a in call.args))
-
-    def run(*inputs):
-        kernel(*pick(inputs))
-        return ()
-    return run
+    # two or more indices: itemgetter returns a tuple
+    return EagerOp(call.target, kernel, operator.itemgetter(*(placeholders.index(a) for a in call.args)))
 
 
 class PcgBackend:
     def __init__(self, splitting_ops=None, split: bool = True, wrap_piece=None, compile_piece=None,
-                 on_split=None):
+                 on_split=None, wrap_splitting=None):
         from pcg_engine.attention.op import SPLITTING_OPS
         self.splitting_ops = list(splitting_ops if splitting_ops is not None else SPLITTING_OPS)
         self.split = split
         self.wrap_piece = wrap_piece            # (compiled, piece_index, key) -> callable
+        self.wrap_splitting = wrap_splitting    # (eager callable of a splitting op) -> callable
         self.compile_piece = compile_piece or inductor_compile
         self.on_split = on_split                # (split_module, submodules, fake_inputs) -> None
         self.stats = CompileStats()
@@ -166,7 +179,8 @@ class PcgBackend:
             split.__dict__[sub.name] = runner
         for sub in subs:
             if sub.is_splitting_op:
-                split.__dict__[sub.name] = eager_call(sub.graph_module)
+                run = eager_call(sub.graph_module)
+                split.__dict__[sub.name] = self.wrap_splitting(run) if self.wrap_splitting else run
         if self.on_split is not None:
             self.on_split(split, subs, fakes)
         return split

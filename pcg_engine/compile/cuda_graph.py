@@ -46,9 +46,13 @@ class GraphPool:
         self.strong_outputs = os.environ.get("PCG_CUDAGRAPH_STRONG_OUTPUTS") == "1"
         self.captures: Counter = Counter()   # (piece index, bucket) -> captures (must stay 1)
         self.replays = 0
+        # replay_program.py: the tape of the forward being recorded, and each bucket's program
+        self.tape = None
+        self.programs: dict = {}
 
     @contextlib.contextmanager
     def capture_phase(self):
+        self.programs.clear()   # a program holds the graphs it was recorded with
         self.capturing = True
         try:
             yield self
@@ -157,6 +161,8 @@ class GraphedPiece:
         pool = self.pool
         T = pool.num_tokens
         if not pool.enabled or pool.passthrough or T is None:
+            if pool.tape is not None:
+                pool.tape.other()
             return self.compiled(*args)
         entry = self.entries.get(T)
         if entry is not None:
@@ -164,7 +170,11 @@ class GraphedPiece:
                 self._check(entry, args, T)
             entry.graph.replay()
             pool.replays += 1
+            if pool.tape is not None:
+                pool.tape.replayed(entry.graph, entry.outputs)
             return entry.outputs
+        if pool.tape is not None:
+            pool.tape.other()
         if not (pool.capturing and T in self.buckets):
             return self.compiled(*args)
         graph, outputs = capture(pool, self.compiled, *args)

@@ -6,6 +6,10 @@ every T >= 2 and later batch sizes only evaluate guards. With `graphs` (a GraphP
 piece is wrapped in a `GraphedPiece` and the forward tells the pool this call's token count, which
 is the bucket: the runner pads each step to one.
 
+With graphs, a forward at a captured bucket runs that bucket's replay program once its first
+forward has recorded one (replay_program.py): the same graphs and launches without Dynamo's guard
+evaluation and the split module's Python.
+
 T = 1: Dynamo specialises sizes 0 and 1, so a one-token call would trigger a second trace. The
 set-up never lets one reach this forward (the smallest token bucket it gives the runner is 2, so a
 single decode is padded to two tokens); should one arrive anyway it runs the eager model.
@@ -15,8 +19,10 @@ import time
 
 import torch
 
+from pcg_engine.compile import replay_program
 from pcg_engine.compile.backend import PcgBackend
 from pcg_engine.compile.cuda_graph import GraphedPiece, GraphPool
+from pcg_engine.compile.replay_program import RecordingOp, ReplayProgram, Tape
 
 MIN_TRACED_TOKENS = 2
 
@@ -37,11 +43,18 @@ class CompiledForward:
                  splitting_ops=None):
         self.model = model
         self.graphs = graphs
-        wrap = None
+        wrap = wrap_op = None
         if graphs is not None and graphs.enabled:
             def wrap(compiled, index, key):
                 return GraphedPiece(compiled, index, graphs, buckets)
-        self.backend = PcgBackend(splitting_ops=splitting_ops, split=split, wrap_piece=wrap)
+            if replay_program.ENABLED:
+                def wrap_op(op):
+                    return RecordingOp(op, graphs)
+        # Replay programs need the recording ops (replay_program.py); the pool may also be shared
+        # with graphs of another kind (the full decode graphs), which record nothing.
+        self.programs = graphs is not None and wrap_op is not None
+        self.backend = PcgBackend(splitting_ops=splitting_ops, split=split, wrap_piece=wrap,
+                                  wrap_splitting=wrap_op)
         _raise_recompile_limit()
         self._compiled = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=False)
         self.first_call_s: float | None = None
@@ -70,11 +83,37 @@ class CompiledForward:
                     self.graphs.num_tokens = None
             self.first_call_s = time.perf_counter() - t0
             return out
+        if self.programs:
+            return self._graphed(input_ids, positions, T)
         try:
             return self._compiled(input_ids, positions)
         finally:
             if self.graphs is not None:
                 self.graphs.num_tokens = None
+
+    def _graphed(self, input_ids, positions, T):
+        """A forward with piecewise graphs: the bucket's replay program if it has one, else the
+        traced forward, recorded into a program when every piece replays (replay_program.py)."""
+        pool = self.graphs
+        program = pool.programs.get(T)
+        if program is not None and not (pool.capturing or pool.passthrough or pool.debug):
+            pool.num_tokens = None
+            if program.accepts(input_ids, positions):
+                return program.run(pool)
+            pool.num_tokens = T
+        record = program is None and not (pool.capturing or pool.passthrough or pool.debug)
+        if record:
+            pool.tape = Tape()
+        try:
+            out = self._compiled(input_ids, positions)
+        finally:
+            pool.num_tokens = None
+            tape, pool.tape = pool.tape, None
+        if record:
+            program = ReplayProgram.build(tape, out, input_ids, positions)
+            if program is not None:
+                pool.programs[T] = program
+        return out
 
     def dump_graph(self, directory):
         return self.backend.dump_graph(directory)

@@ -76,6 +76,37 @@ def test_replay_with_new_inputs_matches_eager(gpu_runners, mode):
         _assert_matches(eager, runner)
 
 
+def test_replay_programs_recorded_run_and_equal_eager(gpu_runners):
+    """After the first forward at a bucket, later ones run its replay program (no Dynamo, one
+    attention plan lookup a step) and still equal eager, on new inputs, across two rounds."""
+    runner = gpu_runners("dense", "piecewise", cudagraph_buckets=BUCKETS)
+    eager = gpu_runners("dense", "eager", attention_backend=runner.backend.name)
+    backend, pool = runner.backend, runner.graph_pool
+    launched = []
+    real = backend.layer_launcher
+
+    def counting(*args):
+        launch = real(*args)
+        if launch is None:
+            return None
+
+        def wrapped(*ptrs):
+            launched.append(launch(*ptrs))
+            return launched[-1]
+        return wrapped
+    backend.layer_launcher = counting
+    try:
+        for _ in range(2):
+            _assert_matches(eager, runner)
+    finally:
+        del backend.layer_launcher
+    runs = sum(p.runs for p in pool.programs.values())
+    assert pool.programs and runs > 0
+    assert all(p.attention is not None for p in pool.programs.values())
+    assert launched and all(launched)          # the plans served every layer they were asked for
+    assert runner.forward_fn.stats.dynamo_traces == 1
+
+
 def _garbage_hook(runner, seed=0):
     """After prepare, fill the padding rows of the static buffers with valid-looking garbage."""
     real = runner.batch.prepare
