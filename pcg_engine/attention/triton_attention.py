@@ -275,6 +275,18 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
             num_splits, tuning)
 
 
+def cached_plan(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs: int, max_query_len: int,
+                scale: float, num_splits: int = 1, tuning: DecodeTuning | None = None):
+    """The recorded plan that unified_attention would re-issue for these arguments (addresses
+    aside), or None: none recorded yet, or a call the plans do not serve. For callers that launch
+    one plan for several layers (compile/replay_program.py); the plan takes the six addresses."""
+    if not fast_launch.ENABLED or num_reqs <= 0:
+        return None
+    return launch_plan.PLANS.get(launch_plan.plan_key(q, kv_cache, out, query_start_loc, seq_lens, block_table,
+                                                      num_reqs, max_query_len, scale, num_splits, tuning,
+                                                      SEARCH_BLOCK))
+
+
 def _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, max_query_len, scale,
             num_splits, tuning, record: bool = False):
     """unified_attention through the JIT; with `record`, returns its AttentionPlan (or None)."""

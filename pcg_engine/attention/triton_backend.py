@@ -37,7 +37,7 @@ from pcg_engine.attention.launch_config import (GRAPH_SPLIT_DECODE_TUNING, choos
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.attention.rope_decode_attention import rope_decode_attention
 from pcg_engine.attention.rope_kv import rope_and_write_kv
-from pcg_engine.attention.triton_attention import unified_attention
+from pcg_engine.attention.triton_attention import cached_plan, unified_attention
 
 # Off by default: in the model it lost on the H200 (session 5 final call, Qwen3-0.6B batch-1 full_decode
 # 1.003 ms a token with it vs 0.927 without, same call), though one layer alone timed faster
@@ -139,6 +139,28 @@ class TritonAttentionBackend(AttentionBackend):
             return q_rot
         return rope_and_write_kv(q, k, v, positions, self.cos_sin, kv_cache, slot_mapping, q_norm=q_norm,
                                  k_norm=k_norm, eps=eps)
+
+    def layer_launcher(self, meta: AttentionMetadata, q, kv_cache, out):
+        """For a replay program (compile/replay_program.py): a function (q, kv_cache, out addresses)
+        -> bool that launches what forward() would for a layer whose tensors have these tensors'
+        shapes, strides and dtypes, looking the step's launch plan up once instead of once a layer.
+        It returns False, launching nothing, where forward() must run; None: use forward() throughout."""
+        if self.graphed or self.fuse_rope or self._deferred is not None:
+            return None
+        splits = meta.num_splits
+        if splits is None:
+            splits = meta.num_splits = self.split_launch(meta)[0]
+        plan = cached_plan(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table, meta.num_reqs,
+                           meta.max_query_len, self.scale, splits)
+        if plan is None:
+            return None
+        qsl, lens, table = meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.block_table.data_ptr()
+        if (qsl | lens | table) & 15:  # plans serve 16-byte aligned pointers only (launch_plan.py)
+            return None
+
+        def launch(q_p: int, cache_p: int, out_p: int) -> bool:
+            return not (q_p | cache_p | out_p) & 15 and plan(q_p, cache_p, out_p, qsl, lens, table)
+        return launch
 
     def forward(self, q, out, kv_cache, meta: AttentionMetadata) -> None:
         # The eager part of a piecewise step, once per layer: keep the Python short. The eager
