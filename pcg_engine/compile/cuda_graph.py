@@ -59,6 +59,13 @@ class GraphPool:
         finally:
             self.capturing = False
 
+    def release(self) -> None:
+        """Drop the replay programs: they hold the tensors their ops take, the KV caches among
+        them, and the compiled forward that reaches this pool may outlive its runner (Dynamo's
+        cache keeps the split module). ModelRunner.close() calls it."""
+        self.programs.clear()
+        self.tape = None
+
     @contextlib.contextmanager
     def no_graphs(self):
         """Pieces run compiled but neither capture nor replay (e.g. inside a full-graph capture)."""

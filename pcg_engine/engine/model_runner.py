@@ -88,6 +88,8 @@ class ModelRunner:
         whatever references to the old engine remain."""
         if getattr(self, "model", None) is not None:   # the modules hold the caches too
             bind_kv_caches(self.model, None)
+        if getattr(self, "graph_pool", None) is not None:   # so do replay programs
+            self.graph_pool.release()
         for name in ("full_graphs", "graph_pool", "forward_fn", "kv_caches", "model", "batch", "cos_sin"):
             if hasattr(self, name):
                 setattr(self, name, None)

@@ -413,6 +413,21 @@ def test_close_releases_the_kv_cache_and_weights(dense_path):
     assert kv() is None and weight() is None
 
 
+@pytest.mark.gpu
+def test_close_releases_the_kv_cache_after_piecewise_replays(dense_path):
+    """Replay programs hold the KV caches their attention ops take (compile/replay_program.py),
+    and the compiled forward can outlive the runner in Dynamo's cache: close must still free them."""
+    import weakref
+    from pcg_engine.llm import LLM
+    with LLM(str(dense_path), device="cuda", mode="piecewise", num_kv_blocks=16) as llm:
+        for _ in range(2):   # the first forward at a bucket records its program, the second runs it
+            assert len(llm.generate([[5, 6, 7]], greedy(max_tokens=4))[0].token_ids) == 4
+        runner = llm.engine.runner
+        assert runner.graph_pool.programs and sum(p.runs for p in runner.graph_pool.programs.values()) > 0
+        kv = weakref.ref(runner.kv_caches[0])
+    assert kv() is None
+
+
 def test_final_only_requests_report_once_and_match(engines):
     """generate without a callback asks for final outputs only: same results, one output each."""
     llm = engines("tiny-qwen3")
