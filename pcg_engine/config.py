@@ -31,8 +31,8 @@ def sparse_buckets(max_tokens: int) -> list[int]:
     full_and_piecewise's default: there decode-only steps replay full graphs, so the piecewise
     graphs serve only prefill and mixed steps, where padding is cheap (up to ~256 tokens a 0.6B
     step is bound by reading the weights, so padding to the next power of two costs little; above,
-    a 1.5x step wastes at most a third). 14 buckets instead of default_buckets' 52 at 2048: at
-    Qwen3-0.6B's 29 pieces per bucket, 406 piece graphs to capture instead of 1,508."""
+    a 1.5x step wastes at most a third). 14 buckets instead of default_buckets' 53 at 2048: at
+    Qwen3-0.6B's 29 pieces per bucket, 406 piece graphs to capture instead of 1,537."""
     sizes, size = [], 1
     while size <= min(max_tokens, 256):
         sizes.append(size)

@@ -1,18 +1,26 @@
 """The compiled forward: one Dynamo trace with a symbolic token count, served to the runner.
 
-`CompiledForward(model, split=...)` is what `runner.forward_fn` becomes in the compiled modes. It
-marks dim 0 of input_ids and positions dynamic on the first call, so Dynamo traces once for
-every T >= 2 and later batch sizes only evaluate guards. With `graphs` (a GraphPool) every compiled
-piece is wrapped in a `GraphedPiece` and the forward tells the pool this call's token count, which
-is the bucket: the runner pads each step to one.
+`CompiledForward(model, split=...)` is what `runner.forward_fn` becomes in the compiled modes. On
+the first call it marks dim 0 of input_ids and positions *unbacked* (`mark_unbacked`), so Dynamo
+traces once for every T >= 1 and later batch sizes pass its guards. With `graphs` (a GraphPool)
+every compiled piece is wrapped in a `GraphedPiece` and the forward tells the pool this call's
+token count, which is the bucket: the runner pads each step to one.
 
 With graphs, a forward at a captured bucket runs that bucket's replay program once its first
 forward has recorded one (replay_program.py): the same graphs and launches without Dynamo's guard
 evaluation and the split module's Python.
 
-T = 1: Dynamo specialises sizes 0 and 1, so a one-token call would trigger a second trace. The
-set-up never lets one reach this forward (the smallest token bucket it gives the runner is 2, so a
-single decode is padded to two tokens); should one arrive anyway it runs the eager model.
+Why unbacked rather than `mark_dynamic`: a dynamic (backed) size still gets Dynamo's 0/1
+specialisation, so a trace at T >= 2 guards on T >= 2 and a one-token call traced a second graph;
+the set-up used to pad every single decode to two tokens instead, which cost the projections a
+2-row GEMM each (about 1 us apiece on the H200, 112 a Qwen3-0.6B step). An unbacked size is never
+assumed 0 or 1 and gets no size guard, only a runtime assert T >= 0 in the graph. The price is
+that the trace cannot branch on T (nothing of the model or its custom ops' fake kernels does: T
+only flows into shapes) and that Inductor has no real value of T for its heuristics: the mark
+passes the trace's own T (the largest bucket) as `hint_override`, the hint a backed size would
+have had; without it Inductor would use `torch._inductor.config.unbacked_symint_fallback` (8192).
+
+T = 0 never reaches the compiled graph (the runner has no empty step); it runs the eager model.
 """
 
 import time
@@ -24,7 +32,7 @@ from pcg_engine.compile.backend import PcgBackend
 from pcg_engine.compile.cuda_graph import GraphedPiece, GraphPool
 from pcg_engine.compile.replay_program import RecordingOp, ReplayProgram, Tape
 
-MIN_TRACED_TOKENS = 2
+MIN_TRACED_TOKENS = 1     # the smallest T the compiled graph serves (the unbacked dim covers 1)
 
 
 def _raise_recompile_limit(at_least: int = 64):
@@ -72,9 +80,14 @@ class CompiledForward:
         if self.graphs is not None:
             self.graphs.num_tokens = T
         if self.first_call_s is None:
-            # Mark on the trace only: later calls pass the guards (2 <= T) without marks.
-            torch._dynamo.mark_dynamic(input_ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
+            # Mark on the trace only: an unbacked dim installs no size guard, so later calls of
+            # any T pass without marks. Separate symbols for the two tensors, as mark_dynamic
+            # gave: nothing in the model combines them outside a custom op, so no equality is
+            # ever needed (a shared shape_id would only add a runtime assert).
+            # (Imported here: the set-up times Dynamo's import as part of the compile.)
+            from torch._dynamo.decorators import mark_unbacked
+            mark_unbacked(input_ids, 0, hint_override=T)
+            mark_unbacked(positions, 0, hint_override=T)
             t0 = time.perf_counter()
             try:
                 out = self._compiled(input_ids, positions)

@@ -6,9 +6,11 @@
   full_decode         full_graphs = FullDecodeGraphs over the eager model; prefill stays eager
   full_and_piecewise  both
 
-Token buckets start at 2, never 1: Dynamo specialises a size-1 dim, so a one-token step would
-retrace; padding it to two tokens (the extra one writes the scratch block) keeps one trace. That is
-also why 'compile' gets token_buckets = [2]: a single decode is padded, nothing else is.
+Token buckets start at 1: the compiled forward's token dim is unbacked (compile/piecewise.py), so
+a one-token step runs the one trace unpadded (it used to be padded to two tokens, since a dynamic
+dim is specialised at 1 and would have retraced). 'compile' pads nothing (token_buckets = []). In
+full_and_piecewise the piecewise buckets start at 2: a one-token step is a single decode, which
+always takes a full decode graph there, so piece graphs at 1 would never replay.
 
 On the CPU everything but capture runs: split, compiled pieces, bucket padding, the compile cache.
 On CUDA the compiled forward runs once at the largest bucket (Dynamo + Inductor), then every bucket
@@ -38,7 +40,9 @@ def token_buckets_for(runner) -> list[int]:
     # prefill and mixed steps, and a sparser list captures a third of the graphs (config.sparse_buckets).
     default = sparse_buckets if runner.mode == "full_and_piecewise" else default_buckets
     wanted = config.cudagraph_buckets or default(min(config.max_capture_tokens, limit))
-    clamped = {max(b, MIN_TRACED_TOKENS) for b in wanted}
+    # A one-token step is one decode (T == R == 1): full_and_piecewise replays a full graph for it.
+    lowest = 2 if runner.mode == "full_and_piecewise" else MIN_TRACED_TOKENS
+    clamped = {max(b, lowest) for b in wanted}
     return sorted(b for b in clamped if b <= limit)
 
 
@@ -119,7 +123,7 @@ def setup_compiled_modes(runner, progress=None) -> None:
         t0 = time.perf_counter()     # from here: importing Dynamo (no earlier step of the start-up does)
         forward = CompiledForward(runner.model, split=split, graphs=pool if split else None, buckets=buckets)
         runner.forward_fn = forward
-        runner.token_buckets = buckets if split else [MIN_TRACED_TOKENS]
+        runner.token_buckets = buckets if split else []      # 'compile': every T runs unpadded
         cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
         before = inductor_cache_counters()
         try:

@@ -1,5 +1,6 @@
 """Default token buckets per mode (compile/setup.token_buckets_for): piecewise keeps the dense list,
-full_and_piecewise (decode-only steps on full graphs) the sparse one; an explicit list wins."""
+bucket 1 included (the compiled forward serves T = 1 unpadded), full_and_piecewise (decode-only steps
+on full graphs, a one-token step among them) the sparse one from 2; an explicit list wins."""
 
 from types import SimpleNamespace
 
@@ -32,15 +33,15 @@ def test_full_and_piecewise_defaults_to_sparse_buckets():
     piece graphs, the same full decode graphs."""
     fp, pw = runner("full_and_piecewise"), runner("piecewise")
     assert token_buckets_for(fp) == [2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
-    assert token_buckets_for(pw) == sorted({max(2, b) for b in default_buckets(2048)})
+    assert token_buckets_for(pw) == default_buckets(2048) and token_buckets_for(pw)[:3] == [1, 2, 4]
     pieces = 28 + 1                                  # split at each layer's attention
     decode = len(default_decode_buckets(256))
     assert (len(token_buckets_for(fp)) * pieces + decode, len(token_buckets_for(pw)) * pieces + decode) == \
-        (406 + 35, 1508 + 35)
+        (406 + 35, 1537 + 35)
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
-def test_explicit_buckets_and_limits(mode):
-    assert token_buckets_for(runner(mode, cudagraph_buckets=[1, 3, 100, 5000])) == [2, 3, 100]
+@pytest.mark.parametrize("mode,lowest", [("piecewise", 1), ("full_and_piecewise", 2)])
+def test_explicit_buckets_and_limits(mode, lowest):
+    assert token_buckets_for(runner(mode, cudagraph_buckets=[1, 3, 100, 5000])) == sorted({lowest, 3, 100})
     small = runner(mode, max_capture_tokens=48)
     assert token_buckets_for(small)[-1] == 48

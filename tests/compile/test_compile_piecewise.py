@@ -9,7 +9,7 @@ import torch
 from compile_helpers import SCHEDULE, run_workload
 
 
-def _check_against_eager(eager, compiled, schedule=SCHEDULE):
+def _check_against_eager(eager, compiled, schedule=SCHEDULE, prompts=None):
     paths = []
 
     def check(results, index):
@@ -18,14 +18,14 @@ def _check_against_eager(eager, compiled, schedule=SCHEDULE):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {index}: {m}")
         paths.append((inputs.num_real_tokens, inputs.input_ids.shape[0], compiled.last_path))
 
-    run_workload([eager, compiled], check, schedule=schedule)
+    run_workload([eager, compiled], check, schedule=schedule, **({"prompts": prompts} if prompts else {}))
     return paths
 
 
 def test_piecewise_matches_eager_for_many_token_counts(dense_eager, dense_piecewise):
     paths = _check_against_eager(dense_eager, dense_piecewise)
     buckets = dense_piecewise.token_buckets
-    assert buckets[0] == 2 and buckets[-1] == 32
+    assert buckets[0] == 1 and buckets[-1] == 32
     for real, padded, path in paths:
         if real <= buckets[-1]:
             assert padded == min(b for b in buckets if b >= real) and path == "piecewise"
@@ -38,15 +38,32 @@ def test_dynamo_traces_once_across_batch_shapes(dense_eager, dense_piecewise):
     forward = dense_piecewise.forward_fn
     _check_against_eager(dense_eager, dense_piecewise)
     assert forward.stats.dynamo_traces == 1
-    assert forward.eager_calls == 0          # one-token steps were padded, never run eagerly
+    assert forward.eager_calls == 0          # one-token steps ran the compiled graph (bucket 1)
+
+
+def test_one_token_runs_compiled_unpadded_without_a_second_trace(dense_eager, dense_piecewise, monkeypatch):
+    """The token dim is unbacked (compile/piecewise.py): T = 1 is no Dynamo specialisation, so with
+    no padding at all every T, 1 included, runs the one trace and matches eager."""
+    forward = dense_piecewise.forward_fn
+    traces, compiles = forward.stats.dynamo_traces, forward.stats.inductor_compiles
+    monkeypatch.setattr(dense_piecewise, "token_buckets", [])      # nothing padded
+    prompts = {"a": [5, 6, 7], "b": list(range(10, 17)), "c": list(range(20, 22))}
+    schedule = [[("a", 3)], [("a", 1)], [("b", 7)], [("a", 1)], [("c", 2)], [("a", 1), ("b", 1)], [("c", 1)],
+                [("a", 1), ("b", 1), ("c", 1)], [("b", 1)]]
+    paths = _check_against_eager(dense_eager, dense_piecewise, schedule=schedule, prompts=prompts)
+    assert [(real, padded) for real, padded, _ in paths] == [(t, t) for t in (3, 1, 7, 1, 2, 2, 1, 3, 1)]
+    assert {path for _, _, path in paths} == {"compiled"}
+    assert forward.stats.dynamo_traces == traces == 1 and forward.stats.inductor_compiles == compiles
+    assert forward.eager_calls == 0
 
 
 def test_compile_mode_matches_eager(dense_eager, dense_compile):
-    assert dense_compile.token_buckets == [2]
+    assert dense_compile.token_buckets == []        # nothing padded, T = 1 included
     stats = dense_compile.forward_fn.stats
     assert stats.pieces == 1 and stats.inductor_compiles == 1
-    _check_against_eager(dense_eager, dense_compile)
-    assert stats.dynamo_traces == 1
+    paths = _check_against_eager(dense_eager, dense_compile)
+    assert all(padded == real and path == "compiled" for real, padded, path in paths)
+    assert stats.dynamo_traces == 1 and dense_compile.forward_fn.eager_calls == 0
 
 
 def test_timings_recorded(dense_piecewise):
@@ -64,8 +81,8 @@ def test_pick_padding(dense_piecewise, tokens):
     scheduled = [(R(), tokens)]
     pad, pad_reqs, path = dense_piecewise.pick_padding(scheduled)
     if tokens <= 32:
-        assert pad == max(2, tokens if tokens in dense_piecewise.token_buckets else
-                          min(b for b in dense_piecewise.token_buckets if b >= tokens))
+        assert pad == min(b for b in dense_piecewise.token_buckets if b >= tokens)
+        assert pad == tokens or tokens not in (1, 2, 32)
         assert path == "piecewise"
     else:
         assert pad is None and path == "compiled"
@@ -81,10 +98,10 @@ def test_piecewise_with_kernel_custom_ops_matches_eager(tiny_dense, cache_root):
     eager = make_runner(tiny_dense, "eager", kernels=True)
     compiled = make_runner(tiny_dense, "piecewise", kernels=True, max_capture_tokens=4,
                            compile_cache_dir=str(cache_root))
-    assert compiled.token_buckets == [2, 4]
+    assert compiled.token_buckets == [1, 2, 4]
     assert "pcg.rms_norm" in "".join(s.graph_module.code for s in compiled.forward_fn.backend.submodules)
     prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12]}
-    schedule = [[("a", 5)], [("a", 1)], [("b", 3), ("a", 1)]]     # T = 5 (unpadded), 1 -> 2, 4
+    schedule = [[("a", 5)], [("a", 1)], [("b", 3), ("a", 1)]]     # T = 5 (above the buckets), 1, 4
 
     def check(results, index):
         torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)

@@ -8,7 +8,7 @@ from compile_helpers import SCHEDULE, Lockstep, make_runner, run_workload
 
 pytestmark = pytest.mark.gpu
 
-BUCKETS = [2, 4, 8, 16, 32]
+BUCKETS = [1, 2, 4, 8, 16, 32]
 GPU = dict(device="cuda", dtype="float32", max_capture_tokens=32)
 
 

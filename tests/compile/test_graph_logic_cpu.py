@@ -15,7 +15,7 @@ from compile_helpers import Lockstep, make_runner, run_workload
 from pcg_engine.compile.piecewise import CompiledForward
 from pcg_engine.compile.setup import _dummy_forward, capture_piecewise
 
-BUCKETS = [2, 4, 8, 16, 32]
+BUCKETS = [1, 2, 4, 8, 16, 32]
 
 
 def _flat(value):
