@@ -84,6 +84,11 @@ def _cuda_sms(index: int) -> int:   # asked per layer per eager step: a property
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Fewest key tiles (of 64) at which an eager decode step splits. PCG_EAGER_SPLIT_MIN_TILES moves it
+# (an A/B switch for benchmarks, read at import).
+EAGER_SPLIT_MIN_TILES = max(2, int(os.environ.get("PCG_EAGER_SPLIT_MIN_TILES", "8")))
+
+
 def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int,
                       head_dim: int, max_query_len: int, max_seq_len: int, device) -> int:
     """Splits so that small batches with long contexts still fill the GPU. Host values only;
@@ -94,14 +99,16 @@ def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_hea
     sms = _num_sms(device)
     # in units of the default decode tile, whatever tile the tuning picks
     tiles = host_cdiv(max_seq_len, 64 if head_dim <= 128 else 32)
-    # Split only when the GPU would be under-filled, and only with 8+ key tiles: below that the
-    # merge kernel's launch (tens of µs of host time in an eager step, per layer) costs more than
-    # the parallelism gains, so batch 1 starts splitting at 512 keys.
-    if busy >= sms or tiles < 8:
+    # Split only when the GPU would be under-filled, and only with EAGER_SPLIT_MIN_TILES+ key
+    # tiles: the merge is a second launch, which used to cost tens of µs of host time a layer in
+    # an eager step (before the recorded launch plans), so batch 1 split from 512 keys.
+    if busy >= sms or tiles < EAGER_SPLIT_MIN_TILES:
         return 1
-    # Then aim at SPLIT_PROGRAMS_PER_SM, >= 2 tiles a split. Measured on the H200 at batch 1 x 8192
-    # keys (Hq 16, Hk 8): 8 / 16 / 32 / 64 splits ran 37.7 / 25.1 / 20.7 / 17.1 µs.
-    splits = min(host_cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(busy, 1)), tiles // 2, MAX_SPLITS)
+    # Then aim at SPLIT_PROGRAMS_PER_SM, >= 2 tiles a split, or 4 splits of 1-2 tiles for 4-8 tiles
+    # (a min and a max of non-decreasing terms: the count never falls as max_seq_len grows, which
+    # the warm-up's search relies on). Measured on the H200 at batch 1 x 8192 keys (Hq 16, Hk 8):
+    # 8 / 16 / 32 / 64 splits ran 37.7 / 25.1 / 20.7 / 17.1 µs.
+    splits = min(host_cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(busy, 1)), max(tiles // 2, min(tiles, 4)), MAX_SPLITS)
     return max(1, splits)
 
 

@@ -185,3 +185,26 @@ def test_gpu_graph_split_replays(bucket, Hq):
         check(out, reference(q, cache, meta, backend.scale), 1e-2)
         if launch_config.GRAPH_SPLIT_DECODE_TUNING.fused_merge:
             assert not triton_attention._COUNTERS[q.device].any()
+
+
+@pytest.mark.parametrize("min_tiles", [4, 8])
+def test_eager_split_count_rules(monkeypatch, min_tiles):
+    """choose_num_splits (eager steps): no split below EAGER_SPLIT_MIN_TILES key tiles or on a full
+    GPU; never fewer splits for a longer context (the warm-up's search relies on it); each split
+    gets >= 2 tiles except the 4 splits of 4-8 tiles; the old rule (8 tiles, tiles // 2) is the
+    default's."""
+    from pcg_engine.attention import launch_config as lc
+    monkeypatch.setattr(lc, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(lc, "EAGER_SPLIT_MIN_TILES", min_tiles)
+    dev = torch.device("cpu")
+    for reqs in (1, 2, 4, 16, 17):
+        counts = [lc.choose_num_splits(reqs, reqs, 16, 8, 128, 1, keys, dev) for keys in range(1, 9000, 7)]
+        assert counts == sorted(counts)
+        for keys, n in zip(range(1, 9000, 7), counts):
+            tiles = -(-keys // 64)
+            if tiles < min_tiles or reqs * 8 >= 132:
+                assert n == 1, (reqs, keys, n)
+            else:
+                assert n > 1 and (n <= 4 or tiles // n >= 2), (reqs, keys, n)
+                if min_tiles == 8:
+                    assert n == min(-(-4 * 132 // (reqs * 8)), tiles // 2, lc.MAX_SPLITS)
