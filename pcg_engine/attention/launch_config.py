@@ -84,9 +84,11 @@ def _cuda_sms(index: int) -> int:   # asked per layer per eager step: a property
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Fewest key tiles (of 64) at which an eager decode step splits. PCG_EAGER_SPLIT_MIN_TILES moves it
-# (an A/B switch for benchmarks, read at import).
-EAGER_SPLIT_MIN_TILES = max(2, int(os.environ.get("PCG_EAGER_SPLIT_MIN_TILES", "8")))
+# Fewest key tiles (of 64) at which an eager decode step splits. 4 (256 keys) since session 7: P1
+# Qwen3-0.6B piecewise (eager attention between the graphs) 1.218 / 1.220 ms a token with 8 against
+# 1.179 / 1.172 with 4, alternated in one call on the H200; 8 dated from when the merge's second
+# launch cost tens of µs of host a layer. PCG_EAGER_SPLIT_MIN_TILES moves it (A/B switch, read at import).
+EAGER_SPLIT_MIN_TILES = max(2, int(os.environ.get("PCG_EAGER_SPLIT_MIN_TILES", "4")))
 
 
 def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int,
@@ -100,8 +102,7 @@ def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_hea
     # in units of the default decode tile, whatever tile the tuning picks
     tiles = host_cdiv(max_seq_len, 64 if head_dim <= 128 else 32)
     # Split only when the GPU would be under-filled, and only with EAGER_SPLIT_MIN_TILES+ key
-    # tiles: the merge is a second launch, which used to cost tens of µs of host time a layer in
-    # an eager step (before the recorded launch plans), so batch 1 split from 512 keys.
+    # tiles: below, one program walking the few tiles beats the merge's second launch.
     if busy >= sms or tiles < EAGER_SPLIT_MIN_TILES:
         return 1
     # Then aim at SPLIT_PROGRAMS_PER_SM, >= 2 tiles a split, or 4 splits of 1-2 tiles for 4-8 tiles

@@ -99,9 +99,11 @@ def test_graph_split_count_depends_only_on_the_bucket(h200_sms):
         fused = splits > 1 and launch_config.GRAPH_SPLIT_DECODE_TUNING.fused_merge
         assert variant.split == (splits > 1) and variant.fused_merge == fused
         assert variant.splits_pad == (launch_config.host_next_pow2(splits) if splits > 1 and not fused else 0)
-    # Outside a capture the eager policy stays: batch 1 at 384 keys does not split (its merge is
-    # a second launch), at 8192 it splits by the context.
-    assert backend.num_splits(bucket_meta(1, 4, 384)) == 1 and backend.num_splits(bucket_meta(1, 4, 8192)) > 16
+    # Outside a capture the eager policy stays: batch 1 below EAGER_SPLIT_MIN_TILES key tiles does
+    # not split (its merge is a second launch), 4 splits of 1-2 tiles at 384 keys, by the context at 8192.
+    short = 64 * (launch_config.EAGER_SPLIT_MIN_TILES - 1)
+    assert backend.num_splits(bucket_meta(1, 4, short)) == 1 and backend.num_splits(bucket_meta(1, 4, 8192)) > 16
+    assert backend.num_splits(bucket_meta(1, 4, 384)) == (4 if launch_config.EAGER_SPLIT_MIN_TILES <= 6 else 1)
     backend.allow_split_kv = False
     with backend.capturing():
         assert backend.num_splits(bucket_meta(1, 4, 384)) == 1
