@@ -49,6 +49,7 @@ class GraphPool:
         # replay_program.py: the tape of the forward being recorded, and each bucket's program
         self.tape = None
         self.programs: dict = {}
+        self.pieces: list = []               # every GraphedPiece of this pool (release() empties them)
 
     @contextlib.contextmanager
     def capture_phase(self):
@@ -60,11 +61,16 @@ class GraphPool:
             self.capturing = False
 
     def release(self) -> None:
-        """Drop the replay programs: they hold the tensors their ops take, the KV caches among
-        them, and the compiled forward that reaches this pool may outlive its runner (Dynamo's
-        cache keeps the split module). ModelRunner.close() calls it."""
+        """Drop the graphs and the replay programs (which hold the tensors their ops take, the KV
+        caches among them). Dynamo's cache keeps the split module, and through it the pieces and
+        this pool, after the runner and its model are gone (checked on the CPU: a weak reference
+        to the split module survives LLM.close()), so without this a closed engine would keep its
+        graphs' memory and its KV caches. ModelRunner.close() calls it."""
         self.programs.clear()
         self.tape = None
+        for piece in self.pieces:
+            piece.entries.clear()
+        self.pieces.clear()
 
     @contextlib.contextmanager
     def no_graphs(self):
@@ -163,6 +169,7 @@ class GraphedPiece:
         self.pool = pool
         self.buckets = set(buckets)
         self.entries: dict[int, _Entry] = {}
+        pool.pieces.append(self)
 
     def __call__(self, *args):
         pool = self.pool

@@ -6,6 +6,8 @@ in place. So if a piece were handed inputs anywhere but where its capture read t
 or metadata detail were wrong, the logits would differ from eager. Real capture is tested on the GPU.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -44,8 +46,8 @@ def fake_capture(pool, fn, *args, warmups=1):
     return FakeGraph(fn, args, outputs), outputs
 
 
-@pytest.fixture(scope="module")
-def fake_graphed(tiny_dense, dense_piecewise):
+@contextlib.contextmanager
+def _fake_graphed_runner(tiny_dense, dense_piecewise):
     """An eager CPU runner turned piecewise with graphs 'captured' through FakeGraph."""
     runner = make_runner(tiny_dense, "eager", max_capture_tokens=32)
     pool = cuda_graph.GraphPool(torch.device("cpu"))
@@ -61,6 +63,12 @@ def fake_graphed(tiny_dense, dense_piecewise):
         yield runner
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def fake_graphed(tiny_dense, dense_piecewise):
+    with _fake_graphed_runner(tiny_dense, dense_piecewise) as runner:
+        yield runner
 
 
 def test_fake_capture_once_per_piece_and_bucket(fake_graphed, dense_eager):
@@ -96,6 +104,29 @@ def test_no_graphs_passthrough_and_sizes_off_bucket(fake_graphed):
         fake_graphed.forward_fn(b.input_ids[:8], b.positions[:8])
         assert pool.replays == before + fake_graphed.forward_fn.stats.pieces
     assert max(k[1] for k in pool.captures) == 32 and (0, 7) not in pool.captures
+
+
+def test_replay_programs_on_fake_graphs(tiny_dense, dense_piecewise, dense_eager):
+    """Without the debug check, the first forward at a bucket after capture records its replay
+    program and later ones run it (graph replays and the attention op's kernel on the recorded
+    tensors): outputs still equal eager on new inputs, one Dynamo trace. release() then drops the
+    programs and every piece's graphs."""
+    with _fake_graphed_runner(tiny_dense, dense_piecewise) as runner:
+        pool = runner.graph_pool
+        assert not pool.programs          # capture-phase forwards record nothing
+
+        def check(results, index):
+            torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
+        for _ in range(2):
+            run_workload([dense_eager, runner], check)
+        programs = pool.programs
+        assert programs and sum(p.runs for p in programs.values()) > 0
+        assert all(p.attention is not None and p.graphs == runner.forward_fn.stats.pieces for p in programs.values())
+        assert runner.forward_fn.stats.dynamo_traces == 1
+        pieces = list(pool.pieces)
+        assert len(pieces) == runner.forward_fn.stats.pieces and all(p.entries for p in pieces)
+        pool.release()
+        assert not pool.programs and not pool.pieces and not any(p.entries for p in pieces)
 
 
 def test_full_decode_graph_logic(tiny_dense, dense_eager, monkeypatch):

@@ -423,9 +423,13 @@ def test_close_releases_the_kv_cache_after_piecewise_replays(dense_path):
         for _ in range(2):   # the first forward at a bucket records its program, the second runs it
             assert len(llm.generate([[5, 6, 7]], greedy(max_tokens=4))[0].token_ids) == 4
         runner = llm.engine.runner
-        assert runner.graph_pool.programs and sum(p.runs for p in runner.graph_pool.programs.values()) > 0
+        pool = runner.graph_pool
+        assert pool.programs and sum(p.runs for p in pool.programs.values()) > 0
+        assert pool.pieces and all(piece.entries for piece in pool.pieces)
+        pieces = list(pool.pieces)
         kv = weakref.ref(runner.kv_caches[0])
     assert kv() is None
+    assert not pool.programs and not any(piece.entries for piece in pieces)   # graphs dropped too
 
 
 def test_final_only_requests_report_once_and_match(engines):
