@@ -6,7 +6,8 @@ cProfile's per-call overhead (~1 µs) is the size of what a piecewise step is ma
 of a few µs), so its shares mislead there. This script instead (1) times --steps plain engine
 steps (wall ms a step), (2) wraps the step's phases and, in piecewise mode, every graphed piece and
 every eager attention call in perf_counter accumulators and reports µs a step for each (the
-wrappers add ~0.2 µs a call), (3) on CUDA, times bare loops of one piece's graph replay
+wrappers add ~0.2 µs a call; on CUDA a bucket's replay program runs its graphs and launches
+without the split module, so only `forward` shows them: PCG_REPLAY_PROGRAM=0 splits them out), (3) on CUDA, times bare loops of one piece's graph replay
 (host µs a call, synchronised after the loop) and counts the
 synchronisations torch reports during a few steps (torch.cuda.set_sync_debug_mode).
 """
@@ -79,12 +80,12 @@ def run_steps(engine, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def micro(split, loops: int) -> dict:
+def micro(pool, loops: int) -> dict:
     """Bare host cost of one piece's replay (CUDA only)."""
     out = {}
-    if split is None or not torch.cuda.is_available():
+    pieces = getattr(pool, "pieces", None)
+    if not pieces or not torch.cuda.is_available():
         return out
-    pieces = [v for k, v in sorted(split.__dict__.items()) if k.startswith("submod_") and hasattr(v, "entries")]
     entry = next((p.entries[b] for p in pieces for b in sorted(p.entries)), None)
     if entry is not None:
         torch.cuda.synchronize()
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     result["timed_ms_per_step"] = 1e3 * wall
     result["us_per_step"] = {k: 1e6 * v / args.steps for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1])}
     result["calls_per_step"] = {k: v / args.steps for k, v in CALLS.items()}
-    result.update(micro(split, 200))
+    result.update(micro(getattr(engine.runner, "graph_pool", None), 200))
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
