@@ -89,6 +89,8 @@ class ModelRunner:
         if getattr(self, "model", None) is not None:   # the modules hold the caches too
             bind_kv_caches(self.model, None)
         if getattr(self, "graph_pool", None) is not None:   # so do replay programs
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)   # no replay of a graph it drops still running
             self.graph_pool.release()
         for name in ("full_graphs", "graph_pool", "forward_fn", "kv_caches", "model", "batch", "cos_sin"):
             if hasattr(self, name):
