@@ -127,3 +127,29 @@ def test_attention_submodules_run_as_direct_kernel_calls(dense_piecewise):
     (node,) = [n for n in sub.graph_module.graph.nodes if n.op == "call_function"]
     expected = [inputs[names.index(a.name)] for a in node.args]
     assert all(got is want for got, want in zip((q, cache, out), expected)) and seen_meta is meta
+
+
+def test_submodule_inputs_from_dynamo_meta_match_a_fake_run(dense_piecewise):
+    """The pieces' example inputs come from the fake values Dynamo leaves on the placeholders; the
+    fallback (one value missing: an FX interpreter runs the split module on the fake inputs) gives
+    every submodule the same inputs by piece key, and those keys are the backend's own."""
+    from torch._guards import detect_fake_mode
+
+    from pcg_engine.compile.backend import submodule_inputs
+    backend = dense_piecewise.forward_fn.backend
+    gm = backend.graph
+    fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(fakes)
+    split, subs = split_graph(gm, backend.splitting_ops)
+    from_meta = submodule_inputs(split, subs, fake_mode, fakes)
+    victim = next(n for n in subs[2].graph_module.graph.nodes if n.op == "placeholder")
+    del victim.meta["example_value"]
+    with torch.inference_mode():   # as the backend runs: inside the set-up's dummy forward
+        from_run = submodule_inputs(split, subs, fake_mode, fakes)
+    assert set(from_meta) == set(from_run) == {s.name for s in subs}
+    pieces = [s for s in subs if not s.is_splitting_op]
+    keys_meta = [piece_key(s.graph_module, from_meta[s.name]) for s in pieces]
+    keys_run = [piece_key(s.graph_module, from_run[s.name]) for s in pieces]
+    assert keys_meta == keys_run == backend.stats.keys
+    for s in subs:
+        assert len(from_meta[s.name]) == len(from_run[s.name])
