@@ -79,6 +79,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     show_progress: bool = False
     kernel_warmup: bool | None = None    # compile every Triton kernel variant at start-up (None: on CUDA)
+    gc_freeze: bool = True               # freeze start-up's objects out of the GC's full collections
 
     def __post_init__(self):
         def check(name, ok, allowed):
@@ -103,6 +104,7 @@ class EngineConfig:
               "an int >= 1")
         check("kernel_warmup", self.kernel_warmup is None or isinstance(self.kernel_warmup, bool),
               "None, True or False")
+        check("gc_freeze", isinstance(self.gc_freeze, bool), "True or False")
         for name in ("cudagraph_buckets", "decode_buckets"):
             value = getattr(self, name)
             check(name, value is None or (len(value) > 0 and all(isinstance(b, int) and b >= 1 for b in value)),

@@ -24,6 +24,7 @@ import torch
 
 from pcg_engine.kernels.argmax import greedy_tokens
 from pcg_engine.config import EngineConfig
+from pcg_engine.engine import gc_freeze
 from pcg_engine.engine.block_manager import BlockManager
 from pcg_engine.engine.detokenizer import IncrementalDetokenizer
 from pcg_engine.engine.model_runner import ModelRunner
@@ -85,6 +86,11 @@ class LLMEngine:
         # logprobs). While none is in the batch, sampling is one argmax kernel: at batch 256 the
         # full sampler's per-step gathers would cost more host time than the decode step.
         self._full_sampler_rows: set[int] = set()
+        if config.gc_freeze:     # last: everything start-up made stays out of full collections
+            t0 = time.perf_counter()
+            self.runner.timings["gc_frozen_objects"] = float(gc_freeze.freeze())
+            self.runner.timings["gc_freeze_s"] = time.perf_counter() - t0
+            self.lazy_tokenizer.on_load = gc_freeze.freeze
 
     @property
     def tokenizer(self):
@@ -178,6 +184,8 @@ class LLMEngine:
         self.requests.clear()
         self.pending_outputs = []
         self.sampling = None
+        if self.config.gc_freeze:    # the runner's collection must see the engine's objects
+            gc_freeze.unfreeze()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
