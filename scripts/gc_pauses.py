@@ -5,7 +5,8 @@
 
 The engine serves a stream of requests with the model's forward replaced by constant logits (as in
 P4, `pcg bench overhead --host-only`), so a step is host work only and a collector pause stands out.
-Requests arrive a few per step with varied lengths until --requests have been added. Printed: every
+Requests arrive a few per step with varied lengths, while fewer than --queue wait, until --requests
+have been added. Printed: every
 collection of the oldest generation (its duration and the step it fell in), the step-time
 percentiles and the slowest steps. One configuration per process: the collector's state is the
 process's, so compare two runs.
@@ -25,8 +26,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-qwen3")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--mode", default="eager", help="the engine's mode: a compiled one brings Dynamo's and "
+                   "Inductor's objects into the heap (the forward is replaced either way)")
     p.add_argument("--requests", type=int, default=2048)
     p.add_argument("--per-step", type=int, default=4, help="requests added each step")
+    p.add_argument("--queue", type=int, default=64, help="no request is added while this many wait")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--no-gc-freeze", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -37,7 +41,7 @@ def main() -> None:
     from pcg_engine.bench.host_overhead import FakeForward
     from pcg_engine.sampling_params import SamplingParams
 
-    llm = common.build_llm(common.resolve_model(args.model, args.seed), device=args.device, mode="eager",
+    llm = common.build_llm(common.resolve_model(args.model, args.seed), device=args.device, mode=args.mode,
                            max_num_seqs=args.max_num_seqs, async_scheduling=False,
                            num_kv_blocks=args.max_num_seqs * 40 + 16, gc_freeze=not args.no_gc_freeze)
     engine = llm.engine
@@ -59,7 +63,8 @@ def main() -> None:
     gc.callbacks.append(on_gc)
     try:
         while added < args.requests or engine.has_unfinished_requests():
-            for _ in range(min(args.per_step, args.requests - added)):
+            arriving = args.per_step if engine.scheduler.num_waiting < args.queue else 0
+            for _ in range(min(arriving, args.requests - added)):
                 prompt = rng.integers(0, vocab, int(rng.integers(16, 256))).tolist()
                 params = SamplingParams(temperature=0, max_tokens=int(rng.integers(16, 512)), ignore_eos=True,
                                         detokenize=False)
@@ -74,7 +79,7 @@ def main() -> None:
     llm.close()
 
     ms = np.array(times) * 1e3
-    result = {"gc_freeze": not args.no_gc_freeze, "frozen_objects": frozen, "steps": len(ms),
+    result = {"mode": args.mode, "gc_freeze": not args.no_gc_freeze, "frozen_objects": frozen, "steps": len(ms),
               "step_ms_p50": float(np.median(ms)), "step_ms_p99": float(np.percentile(ms, 99)),
               "step_ms_max": float(ms.max()), "slowest_ms": sorted(ms.tolist())[-5:],
               "full_collections": pauses, "full_collection_ms_total": sum(x["ms"] for x in pauses),

@@ -25,6 +25,7 @@ changes. The plan list is shared between steps, so whoever adds to a plan copies
 scheduler's admissions do).
 """
 
+import weakref
 from itertools import compress, repeat
 
 import numpy as np
@@ -36,9 +37,20 @@ class ScheduledBatch(list):
     the step (`seq_lens`: set only for an all-decode step) and their maximum (`max_seq_len`),
     whether the token sampled now is some row's last allowed one (`at_limit`), the entries whose
     block table grew this step (`grown`) and, when each grew by one block, those blocks
-    (`new_blocks`), and the DecodeBatch it is the plan list of (`batch`). None where not known."""
+    (`new_blocks`), and the DecodeBatch it is the plan list of (`batch_ref`, a weak reference:
+    `batch`). None where not known.
 
-    rows = num_new = requests = seq_lens = max_seq_len = at_limit = grown = new_blocks = batch = None
+    Why weak: the DecodeBatch holds its plan list, so a strong reference back would make every
+    batch a reference cycle, and every request it held would then wait for the cycle collector
+    instead of going when it finished: a batch is replaced whenever a request joins or leaves, and
+    on the CPU dev machine those cycles made most finished requests (with their token lists and
+    sampling parameters) pile up into the collector's oldest generation (scripts/gc_pauses.py)."""
+
+    rows = num_new = requests = seq_lens = max_seq_len = at_limit = grown = new_blocks = batch_ref = None
+
+    @property
+    def batch(self):
+        return None if self.batch_ref is None else self.batch_ref()
 
 
 class DecodeBatch:
@@ -55,7 +67,7 @@ class DecodeBatch:
         self.last_min = int(state.last_index[rows].min()) if len(rows) else 0
         self.samples = [True] * len(rows)
         self.scheduled = s = ScheduledBatch(zip(self.requests, repeat(1)))
-        s.rows, s.requests, s.batch = rows, self.requests, self
+        s.rows, s.requests, s.batch_ref = rows, self.requests, weakref.ref(self)
         s.num_new = np.ones(len(rows), dtype=np.int64)
         s.num_new.flags.writeable = False
         self._flags_version = -1

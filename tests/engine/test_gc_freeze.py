@@ -85,3 +85,30 @@ def test_gc_freeze_off_leaves_the_collector_alone(dense_path):
 def test_gc_freeze_must_be_a_bool(dense_path):
     with pytest.raises(ConfigError, match="gc_freeze"):
         make_llm(dense_path, gc_freeze="yes")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_finished_requests_leave_no_reference_cycles(dense_path, async_scheduling):
+    """Requests go when they finish, by reference counting: nothing of a step (the decode fast
+    path's batch and its plan list above all, decode_batch.py) may hold them in a cycle, or every
+    finished request would pile up for the cycle collector's full collections."""
+    llm = make_llm(dense_path, async_scheduling=async_scheduling, gc_freeze=False)
+    engine = llm.engine
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "detokenize": False}
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)      # the collector keeps what it finds unreachable in gc.garbage
+    try:
+        for wave in range(3):           # requests join and finish: fast-path batches come and go
+            for i in range(5):
+                engine.add_request([1 + wave, 2 + i, 3, 4, 5, 6], params)
+            for _ in range(15):
+                engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+        gc.collect()
+        kinds = {type(o).__name__ for o in gc.garbage}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not kinds & {"Request", "DecodeBatch", "ScheduledBatch", "SamplingParams"}, sorted(kinds)
+    llm.close()
