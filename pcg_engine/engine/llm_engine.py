@@ -90,7 +90,6 @@ class LLMEngine:
             t0 = time.perf_counter()
             self.runner.timings["gc_frozen_objects"] = float(gc_freeze.freeze())
             self.runner.timings["gc_freeze_s"] = time.perf_counter() - t0
-            self.lazy_tokenizer.on_load = gc_freeze.freeze
 
     @property
     def tokenizer(self):

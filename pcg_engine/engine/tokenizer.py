@@ -18,14 +18,11 @@ def load_tokenizer(path: Path):
 
 
 class LazyTokenizer:
-    """Loads the checkpoint's tokenizer on first use; `loaded` says whether that has happened.
-    `on_load`, if set, is called once the tokenizer is loaded (the engine re-freezes the garbage
-    collector's view then: transformers' import is as many objects again, engine/gc_freeze.py)."""
+    """Loads the checkpoint's tokenizer on first use; `loaded` says whether that has happened."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self._tokenizer = None
-        self.on_load = None
 
     @property
     def loaded(self) -> bool:
@@ -34,8 +31,6 @@ class LazyTokenizer:
     def get(self):
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.path)
-            if self.on_load is not None:
-                self.on_load()
         return self._tokenizer
 
 

@@ -59,17 +59,6 @@ def test_next_engine_collects_what_a_frozen_one_left(dense_path):
     second.close()
 
 
-def test_tokenizer_load_freezes_again(dense_path):
-    llm = make_llm(dense_path)
-    assert not llm.engine.lazy_tokenizer.loaded
-    before = gc.get_freeze_count()
-    made_since = [[i] for i in range(20_000)]    # tracked objects alive since the freeze
-    llm.generate("hello", {"max_tokens": 2, "temperature": 0})
-    assert llm.engine.lazy_tokenizer.loaded
-    assert gc.get_freeze_count() >= before + len(made_since)
-    llm.close()
-
-
 def test_gc_freeze_off_leaves_the_collector_alone(dense_path):
     holder = []
     ref = reachable_cycle(holder)
