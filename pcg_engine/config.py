@@ -79,7 +79,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     show_progress: bool = False
     kernel_warmup: bool | None = None    # compile every Triton kernel variant at start-up (None: on CUDA)
-    gc_freeze: bool = True               # freeze start-up's objects out of the GC's full collections
+    gc_freeze: bool = True               # freeze start-up's objects out of the GC's reach (engine/gc_freeze.py)
 
     def __post_init__(self):
         def check(name, ok, allowed):

@@ -38,7 +38,7 @@ class ScheduledBatch(list):
     whether the token sampled now is some row's last allowed one (`at_limit`), the entries whose
     block table grew this step (`grown`) and, when each grew by one block, those blocks
     (`new_blocks`), and the DecodeBatch it is the plan list of (`batch_ref`, a weak reference:
-    `batch`). None where not known.
+    `batch`). None where not known (`batch` also once that DecodeBatch is gone).
 
     Why weak: the DecodeBatch holds its plan list, so a strong reference back would make every
     batch a reference cycle, and every request it held would then wait for the cycle collector

@@ -86,7 +86,7 @@ class LLMEngine:
         # logprobs). While none is in the batch, sampling is one argmax kernel: at batch 256 the
         # full sampler's per-step gathers would cost more host time than the decode step.
         self._full_sampler_rows: set[int] = set()
-        if config.gc_freeze:     # last: everything start-up made stays out of full collections
+        if config.gc_freeze:     # last: everything start-up made stays out of the collector's way
             t0 = time.perf_counter()
             self.runner.timings["gc_frozen_objects"] = float(gc_freeze.freeze())
             self.runner.timings["gc_freeze_s"] = time.perf_counter() - t0
@@ -183,8 +183,7 @@ class LLMEngine:
         self.requests.clear()
         self.pending_outputs = []
         self.sampling = None
-        if self.config.gc_freeze:    # the runner's collection must see the engine's objects
-            gc_freeze.unfreeze()
+        gc_freeze.unfreeze()    # whoever froze them: the runner's collection must see the engine's cycles
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:

@@ -30,10 +30,24 @@ def clean_collector():
     gc.unfreeze()
 
 
-def test_start_up_objects_are_frozen_until_close(dense_path):
+@pytest.fixture
+def build(dense_path):
+    """make_llm on the tiny checkpoint; every engine still open is closed after the test, failed or not."""
+    built = []
+
+    def make(**config):
+        built.append(make_llm(dense_path, **config))
+        return built[-1]
+    yield make
+    for llm in built:
+        if llm.engine.runner.model is not None:
+            llm.close()
+
+
+def test_start_up_objects_are_frozen_until_close(build):
     holder = []
     ref = reachable_cycle(holder)
-    llm = make_llm(dense_path)
+    llm = build()
     assert gc.get_freeze_count() > 10_000
     assert llm.engine.runner.timings["gc_frozen_objects"] > 10_000
     holder.clear()
@@ -46,46 +60,59 @@ def test_start_up_objects_are_frozen_until_close(dense_path):
     assert ref() is None, "close must hand the frozen objects back before the runner's collection"
 
 
-def test_next_engine_collects_what_a_frozen_one_left(dense_path):
+def test_next_engine_collects_what_a_frozen_one_left(dense_path, build):
     holder = []
     ref = reachable_cycle(holder)
-    first = make_llm(dense_path)
+    first = make_llm(dense_path)   # not through `build`: never closed
     holder.clear()
-    del first                      # never closed: its cycles (and this one) are frozen
+    del first                      # its cycles (and this one) are frozen
     gc.collect()
     assert ref() is not None
-    second = make_llm(dense_path)  # un-freezes and collects before freezing again
+    build()                        # un-freezes and collects before freezing again
     assert ref() is None
-    second.close()
 
 
-def test_gc_freeze_off_leaves_the_collector_alone(dense_path):
+def test_close_unfreezes_whoever_froze(build):
+    """An engine built with gc_freeze=False still un-freezes on close: another engine may have
+    frozen its objects, and its runner's collection must reach their cycles."""
     holder = []
     ref = reachable_cycle(holder)
-    llm = make_llm(dense_path, gc_freeze=False)
+    unfrozen = build(gc_freeze=False)
+    build()                        # freezes everything alive, the cycle too
+    holder.clear()
+    gc.collect()
+    assert ref() is not None
+    unfrozen.close()
+    assert ref() is None
+
+
+def test_gc_freeze_off_leaves_the_collector_alone(build):
+    holder = []
+    ref = reachable_cycle(holder)
+    llm = build(gc_freeze=False)
     assert gc.get_freeze_count() == 0
     assert "gc_frozen_objects" not in llm.engine.runner.timings
     holder.clear()
     gc.collect()
     assert ref() is None
-    llm.close()
 
 
-def test_gc_freeze_must_be_a_bool(dense_path):
+def test_gc_freeze_must_be_a_bool(build):
     with pytest.raises(ConfigError, match="gc_freeze"):
-        make_llm(dense_path, gc_freeze="yes")
+        build(gc_freeze="yes")
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_finished_requests_leave_no_reference_cycles(dense_path, async_scheduling):
+def test_finished_requests_leave_no_reference_cycles(build, async_scheduling):
     """Requests go when they finish, by reference counting: nothing of a step (the decode fast
     path's batch and its plan list above all, decode_batch.py) may hold them in a cycle, or every
     finished request would pile up for the cycle collector's full collections."""
-    llm = make_llm(dense_path, async_scheduling=async_scheduling, gc_freeze=False)
-    engine = llm.engine
+    engine = build(async_scheduling=async_scheduling, gc_freeze=False).engine
     params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "detokenize": False}
     gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)      # the collector keeps what it finds unreachable in gc.garbage
+    gc.garbage.clear()
+    debug = gc.get_debug()
+    gc.set_debug(debug | gc.DEBUG_SAVEALL)   # the collector keeps what it finds unreachable in gc.garbage
     try:
         for wave in range(3):           # requests join and finish: fast-path batches come and go
             for i in range(5):
@@ -97,7 +124,6 @@ def test_finished_requests_leave_no_reference_cycles(dense_path, async_schedulin
         gc.collect()
         kinds = {type(o).__name__ for o in gc.garbage}
     finally:
-        gc.set_debug(0)
+        gc.set_debug(debug)
         gc.garbage.clear()
     assert not kinds & {"Request", "DecodeBatch", "ScheduledBatch", "SamplingParams"}, sorted(kinds)
-    llm.close()
