@@ -1,7 +1,7 @@
 """Wall-clock split of a start's compile phase (Qwen3-0.6B piecewise on the CPU): Dynamo's trace,
 the backend, and inside it split_graph / submodule_inputs / piece_key (names the backend module
 imports, patched there). Usage: python this.py COMPILE_CACHE_DIR (run it three times: cold, warm)."""
-import sys, time, json
+import sys, time
 t0 = time.perf_counter()
 from pcg_engine.compile import backend as B
 orig_call = B.PcgBackend.__call__
