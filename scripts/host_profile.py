@@ -17,7 +17,6 @@ import io
 import pstats
 import time
 
-import numpy as np
 import torch
 
 from pcg_engine.bench import common
@@ -52,18 +51,13 @@ def main(argv=None) -> int:
         kw["async_scheduling"] = False
     llm = common.build_llm(common.resolve_model(args.model), **kw)
     engine = llm.engine
-    rng = np.random.default_rng(0)
-    prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
-    params = common.bench_params(3 * args.steps + 40)
-    ids = [engine.add_request(pr, params) for pr in prompts]
+    ids, prompts, params = common.add_random_requests(llm, args.requests, args.prompt_len, 3 * args.steps + 40)
     if args.phase == "prefill":   # warm the same step shapes up once, then start over
         for _ in range(args.steps):
             engine.step()
         ids = restart(engine, ids, prompts, params)
-    requests = [engine.requests[i] for i in ids]
     if args.phase == "decode":
-        while any(r.first_token_time is None for r in requests):
-            engine.step()
+        common.step_until_decoding(engine, ids)
         for _ in range(10):
             engine.step()
 

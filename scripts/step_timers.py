@@ -20,10 +20,10 @@ import time
 import warnings
 from collections import defaultdict
 
-import numpy as np
 import torch
 
 from pcg_engine.bench import common
+from pcg_engine.bench.profile import wrap_phases
 
 TIMES: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
@@ -43,16 +43,7 @@ def timed(fn, label):
 
 
 def install(engine, split, attention) -> None:
-    runner = engine.runner
-    engine.step = timed(engine.step, "step")
-    engine._resolve = timed(engine._resolve, "resolve")
-    engine.sampler = timed(engine.sampler, "sample")
-    engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
-    runner.batch.prepare = timed(runner.batch.prepare, "prepare")
-    runner.forward_fn = timed(runner.forward_fn, "forward")
-    if getattr(runner, "full_graphs", None) is not None:
-        runner.full_graphs.run = timed(runner.full_graphs.run, "forward(full graph)")
-    runner.model.__dict__["compute_logits"] = timed(runner.model.compute_logits, "lm_head")
+    wrap_phases(engine, lambda fn, phase: timed(fn, "forward(full graph)" if phase == "full_graph" else phase))
     if split is not None:
         for name, value in list(split.__dict__.items()):
             if name.startswith("submod_") and callable(value):
@@ -115,13 +106,8 @@ def main(argv=None) -> int:
         kw["async_scheduling"] = False
     llm = common.build_llm(common.resolve_model(args.model), **kw)
     engine = llm.engine
-    rng = np.random.default_rng(0)
-    prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
-    params = common.bench_params(4 * args.steps + 100)
-    ids = [engine.add_request(pr, params) for pr in prompts]
-    requests = [engine.requests[i] for i in ids]
-    while any(r.first_token_time is None for r in requests):
-        engine.step()
+    ids, _, _ = common.add_random_requests(llm, args.requests, args.prompt_len, 4 * args.steps + 100)
+    common.step_until_decoding(engine, ids)
     run_steps(engine, 20)
     result = {"mode": engine.runner.mode, "requests": args.requests,
               "plain_ms_per_step": [1e3 * run_steps(engine, args.steps) for _ in range(3)]}

@@ -206,6 +206,22 @@ def bench_params(max_tokens: int, temperature: float = 0.0, detokenize: bool = F
                           detokenize=detokenize)
 
 
+def add_random_requests(llm, num: int, prompt_len: int, max_tokens: int, seed: int = 0):
+    """`num` random prompts of prompt_len tokens added to llm's engine, each for exactly max_tokens
+    tokens (bench_params); returns (request ids, prompts, params)."""
+    rng = np.random.default_rng(seed)
+    prompts = random_prompts(rng, token_pool(llm), [prompt_len] * num)
+    params = bench_params(max_tokens)
+    return [llm.engine.add_request(p, params) for p in prompts], prompts, params
+
+
+def step_until_decoding(engine, ids) -> None:
+    """Step the engine until every request of `ids` has its first token, i.e. is decoding."""
+    requests = [engine.requests[rid] for rid in ids]
+    while any(r.first_token_time is None for r in requests):
+        engine.step()
+
+
 # ---- output --------------------------------------------------------------------------------------
 def fmt(v) -> str:
     if isinstance(v, bool) or v is None:

@@ -21,7 +21,6 @@ import io
 import pstats
 import time
 
-import numpy as np
 import torch
 
 from pcg_engine.bench import common
@@ -54,15 +53,10 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
     runner.execute = fake
     common.reset_stats(llm)
     try:
-        rng = np.random.default_rng(seed)
-        prompts = common.random_prompts(rng, common.token_pool(llm), [prompt_len] * n)
         # Enough tokens that nobody finishes while timed: prefill chunks + warm-up + timed steps.
         prefill_steps = -(-n * prompt_len // engine.config.max_num_batched_tokens) + 2
-        params = common.bench_params(prefill_steps + warm_steps + steps + 4)
-        ids = [engine.add_request(p, params) for p in prompts]
-        requests = [engine.requests[rid] for rid in ids]
-        while any(r.first_token_time is None for r in requests):   # until every request is decoding
-            engine.step()
+        ids, _, _ = common.add_random_requests(llm, n, prompt_len, prefill_steps + warm_steps + steps + 4, seed)
+        common.step_until_decoding(engine, ids)
         for _ in range(warm_steps):
             engine.step()
         common.reset_stats(llm)

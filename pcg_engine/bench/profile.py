@@ -20,7 +20,6 @@ import functools
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pcg_engine.bench import common, profile_analysis
@@ -35,31 +34,34 @@ def _labelled(fn, label: str):
     return wrapper
 
 
-def install_labels(engine) -> None:
-    """Wrap the engine's phases in record_function ranges by replacing instance attributes."""
+def wrap_phases(engine, wrap) -> None:
+    """Replace each phase of the engine's step by wrap(method, phase), as instance attributes (the
+    engine files stay untouched). Phases: step, resolve, sample, schedule, prepare, forward,
+    full_graph (the full decode graphs' forward, where the mode has them), lm_head."""
     runner = engine.runner
-    engine.step = _labelled(engine.step, "pcg.step")
-    engine._resolve = _labelled(engine._resolve, "pcg.resolve")
-    engine.sampler = _labelled(engine.sampler, "pcg.sample")
-    engine.scheduler.schedule = _labelled(engine.scheduler.schedule, "pcg.schedule")
-    runner.batch.prepare = _labelled(runner.batch.prepare, "pcg.prepare")
-    runner.forward_fn = _labelled(runner.forward_fn, "pcg.forward")
+    engine.step = wrap(engine.step, "step")
+    engine._resolve = wrap(engine._resolve, "resolve")
+    engine.sampler = wrap(engine.sampler, "sample")
+    engine.scheduler.schedule = wrap(engine.scheduler.schedule, "schedule")
+    runner.batch.prepare = wrap(runner.batch.prepare, "prepare")
+    runner.forward_fn = wrap(runner.forward_fn, "forward")
     if getattr(runner, "full_graphs", None) is not None:
-        runner.full_graphs.run = _labelled(runner.full_graphs.run, "pcg.forward")
-    runner.model.__dict__["compute_logits"] = _labelled(runner.model.compute_logits, "pcg.lm_head")
+        runner.full_graphs.run = wrap(runner.full_graphs.run, "full_graph")
+    runner.model.__dict__["compute_logits"] = wrap(runner.model.compute_logits, "lm_head")
+
+
+def install_labels(engine) -> None:
+    """Wrap the engine's phases in record_function ranges (both forwards are pcg.forward)."""
+    wrap_phases(engine, lambda fn, phase: _labelled(fn, "pcg.forward" if phase == "full_graph" else f"pcg.{phase}"))
 
 
 def profile_config(name: str, kw: dict, args, model: str, out_dir: Path, on_cuda: bool) -> dict:
     llm = common.build_llm(model, **{**common.engine_kwargs(args), "max_num_seqs": args.requests, **kw})
     engine = llm.engine
     install_labels(engine)
-    rng = np.random.default_rng(args.seed)
-    prompts = common.random_prompts(rng, common.token_pool(llm), [args.prompt_len] * args.requests)
-    params = common.bench_params(args.warm_steps + args.steps + 8)
-    ids = [engine.add_request(p, params) for p in prompts]
-    requests = [engine.requests[rid] for rid in ids]
-    while any(r.first_token_time is None for r in requests):   # until every request is decoding
-        engine.step()
+    ids, _, _ = common.add_random_requests(llm, args.requests, args.prompt_len, args.warm_steps + args.steps + 8,
+                                           args.seed)
+    common.step_until_decoding(engine, ids)
     for _ in range(args.warm_steps):
         engine.step()
     activities = [torch.profiler.ProfilerActivity.CPU]
