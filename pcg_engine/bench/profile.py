@@ -107,6 +107,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-steps", type=int, default=3, help="decode steps run before profiling")
     p.add_argument("--timeline-steps", type=int, default=3, help="steps shown in the PNG")
     p.add_argument("--out-dir", default="profile_out")
+    p.add_argument("--kernel-table", action="store_true", help="print each config's device time by kernel name")
     return p
 
 
@@ -146,6 +147,12 @@ def main(argv=None) -> int:
         # A phase at 0 did not run: e.g. "sample" while the engine takes its greedy argmax fast path.
         console.print(f"{r['config']}: host phases ms/step " + ", ".join(
             f"{k} {v:.3f}" for k, v in r["phases_ms_per_step"].items() if v) + f"; trace {r['trace']}")
+    if args.kernel_table:
+        for r in results:
+            common.print_table(f"{r['config']}: {unit} by name, per step (top {len(r['kernel_table'])})",
+                               ["name", "calls", "µs", "µs a call", "share %"],
+                               [[k["kernel"][:90], k["calls_per_step"], k["us_per_step"], k["us_per_call"],
+                                 100 * k["share"]] for k in r["kernel_table"]])
     if png is not None:
         console.print(f"timeline: {png}")
     payload = {"benchmark": "profile", **common.env_record(model, args.device), "config": common.config_record(args),

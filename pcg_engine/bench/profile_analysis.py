@@ -36,6 +36,19 @@ def top_level(events: list[dict]) -> list[dict]:
     return out
 
 
+def kernel_table(kernels: list[dict], steps: int, top: int = 25) -> list[dict]:
+    """Device time by kernel name, largest first: calls and µs per step, and the share of the busy
+    time. Two modes' tables side by side say which kernels one of them adds or makes slower."""
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(e["dur"])
+    total = sum(sum(v) for v in by_name.values()) or 1e-9
+    rows = [{"kernel": name, "calls_per_step": len(d) / steps, "us_per_step": sum(d) / steps,
+             "us_per_call": sum(d) / len(d), "share": sum(d) / total} for name, d in by_name.items()]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
 def analyze(trace: dict, on_cuda: bool) -> dict:
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"] == "pcg.step"),
@@ -102,6 +115,7 @@ def analyze(trace: dict, on_cuda: bool) -> dict:
         "gaps_us": {"mean": float(g.mean()), "median": float(np.median(g)), "p90": float(np.percentile(g, 90)),
                     "max": float(g.max())},
         "phases_ms_per_step": {p.split(".")[1]: v / 1000 / n for p, v in phases.items()},
+        "kernel_table": kernel_table(kernels, n),
         "_timeline": {"steps": [(s["ts"], s["ts"] + s["dur"]) for s in steps], "busy": busy,
                       "phases": phase_intervals},
     }

@@ -49,6 +49,24 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs):
     return compile_fx(gm, list(example_inputs))
 
 
+def eager_piece(gm: torch.fx.GraphModule, example_inputs):
+    """No compiler: the piece runs its FX graph op by op (in CUDA graphs, the kernels it launches are
+    captured as they are). An A/B switch (PCG_PIECE_COMPILER=eager) that tells what Inductor's code
+    adds or saves against the ops the model calls, most of them this project's fused kernels."""
+    return gm.forward
+
+
+# PCG_PIECE_COMPILER picks the default piece compiler (read when a backend is made).
+PIECE_COMPILERS = {"inductor": inductor_compile, "eager": eager_piece}
+
+
+def _default_piece_compiler():
+    name = os.environ.get("PCG_PIECE_COMPILER", "inductor")
+    if name not in PIECE_COMPILERS:
+        raise ValueError(f"PCG_PIECE_COMPILER={name!r}: expected one of {', '.join(PIECE_COMPILERS)}")
+    return PIECE_COMPILERS[name]
+
+
 def _python_dispatcher():
     try:
         from torch._dispatch.python import enable_python_dispatcher
@@ -152,7 +170,7 @@ class PcgBackend:
         self.split = split
         self.wrap_piece = wrap_piece            # (compiled, piece_index, key) -> callable
         self.wrap_splitting = wrap_splitting    # (eager callable of a splitting op) -> callable
-        self.compile_piece = compile_piece or inductor_compile
+        self.compile_piece = compile_piece or _default_piece_compiler()
         self.on_split = on_split                # (split_module, submodules, fake_inputs) -> None
         self.stats = CompileStats()
         self.artifacts: dict[str, object] = {}  # piece key -> compiled callable

@@ -139,3 +139,22 @@ def test_norm_folded_into_skinny_projections_matches_unfolded(tiny_dense, cache_
         torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(results[2][0], results[0][0], atol=1e-4, rtol=1e-4)
     run_workload([plain, folded, compiled], check, schedule=schedule, prompts=prompts)
+
+
+def test_eager_piece_compiler_matches_eager(tiny_dense, dense_eager, cache_root, monkeypatch):
+    """PCG_PIECE_COMPILER=eager (an A/B switch): the same split, the pieces run as their FX graphs,
+    no Inductor compile; the same numbers as eager. A name it does not know is refused by name."""
+    from compile_helpers import make_runner
+    from pcg_engine.compile.backend import PcgBackend
+    monkeypatch.setenv("PCG_PIECE_COMPILER", "eager")
+    runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(cache_root))
+    paths = _check_against_eager(dense_eager, runner)
+    stats = runner.forward_fn.stats
+    assert stats.dynamo_traces == 1 and stats.pieces == 5 and stats.splitting_nodes == 4
+    # one "compile" per distinct piece key, each the FX graph's own forward
+    assert 0 < stats.inductor_compiles < stats.pieces
+    assert all(isinstance(fn.__self__, torch.fx.GraphModule) for fn in runner.forward_fn.backend.artifacts.values())
+    assert {path for _, _, path in paths} == {"piecewise", "compiled"}
+    monkeypatch.setenv("PCG_PIECE_COMPILER", "tvm")
+    with pytest.raises(ValueError, match="PCG_PIECE_COMPILER='tvm'"):
+        PcgBackend()

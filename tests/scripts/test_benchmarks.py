@@ -283,6 +283,22 @@ def test_profile_analysis_splits_steady_idle_inside_and_outside_graph_launches()
     assert r["steady_idle_in_graphs_fraction"] == pytest.approx(1 / 20)
     assert r["steady_idle_outside_graphs_fraction"] == pytest.approx(5 / 20)
 
+
+def test_profile_analysis_kernel_table_by_name_per_step():
+    from pcg_engine.bench import profile_analysis
+    step = dict(ph="X", cat="user_annotation", name="pcg.step", tid=1)
+
+    def k(name, ts, dur):
+        return dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur)
+    trace = {"traceEvents": [{**step, "ts": 0, "dur": 10}, {**step, "ts": 10, "dur": 10},
+                             k("gemm", 0, 4), k("norm", 4, 1), k("gemm", 10, 6), k("norm", 16, 3)]}
+    table = profile_analysis.analyze(trace, on_cuda=True)["kernel_table"]
+    assert [r["kernel"] for r in table] == ["gemm", "norm"]
+    assert table[0]["calls_per_step"] == 1 and table[0]["us_per_step"] == 5 and table[0]["us_per_call"] == 5
+    assert table[1]["us_per_step"] == 2 and table[0]["share"] == pytest.approx(10 / 14)
+    assert profile_analysis.kernel_table(trace["traceEvents"][2:], steps=2, top=1)[0]["kernel"] == "gemm"
+
+
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_host_profile_script_runs(phase, capsys, monkeypatch):
     script = Path(__file__).resolve().parents[2] / "scripts" / "host_profile.py"
