@@ -11,7 +11,6 @@
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_pwpdl (piecewise with PCG_PIECEWISE_PDL 0/1, alternated twice),
 # graphs_pwpdl (the graphs part with PCG_PIECEWISE_PDL=1), p1_piece (piecewise: Inductor pieces, FX pieces, FX pieces with PDL; alternated twice),
-# p1_rawlaunch (piecewise with PCG_RAW_GRAPH_LAUNCH 0/1, alternated twice), graphlaunch (its tests + scripts/bench_graph_launch.py),
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
@@ -51,12 +50,6 @@ part() {
               $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} --num-iters 2 --warmup-iters 1 \
               --json $OUT/p1_q06_piece_$v-$i.json 2>&1 | grep -E "piecewise|mode" | sed "s/^/$v /"
           done; done ;;
-    p1_rawlaunch) for i in 1 2; do for v in 0 1; do   # A/B, alternated: replay programs' graph launches (compile/graph_launch.py)
-            PCG_RAW_GRAPH_LAUNCH=$v timeout $(lim 100) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} \
-              --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_raw$v-$i.json 2>&1 | grep -E "piecewise|mode" | sed "s/^/raw=$v /"
-          done; done ;;
-    graphlaunch) timeout $(lim 120) ${T% -m gpu} tests/compile/test_graph_launch.py 2>&1 | tail -3
-          timeout $(lim 120) python3 scripts/bench_graph_launch.py --json $OUT/graph_launch.json 2>&1 | tail -14 ;;
     prof1) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 1 --steps 20 --kernel-table \
           --configs "${PROF1_CONFIGS:-full graphs + async,piecewise + async}" --out-dir $OUT/prof1${PROF1_TAG:-} \
           --json $OUT/prof1${PROF1_TAG:-}.json 2>&1 | tail -${PROF1_TAIL:-90} ;;

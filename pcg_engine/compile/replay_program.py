@@ -29,10 +29,6 @@ of these models) and the backend offers `layer_launcher`, the step's launch plan
 for the first layer, and each layer passes only its three addresses (launch_plan.py); a layer the
 launcher declines runs the op's kernel as recorded.
 
-Graphs: a program launches each piece graph through `graph_launch.launcher` (the driver's
-cuGraphLaunch on the executable, without CUDAGraph.replay()'s wrappers; PCG_RAW_GRAPH_LAUNCH=0
-gives replay() back).
-
 PCG_REPLAY_PROGRAM=0 (read at import) keeps the traced path for every forward (A/B runs).
 """
 
@@ -43,7 +39,6 @@ import os
 import torch
 
 from pcg_engine.attention.context import get_forward_context
-from pcg_engine.compile import graph_launch
 
 ENABLED = os.environ.get("PCG_REPLAY_PROGRAM", "1") != "0"
 
@@ -113,8 +108,7 @@ class ReplayProgram:
     """The recorded forward of one bucket (module docstring)."""
 
     def __init__(self, steps: list, output, input_ptrs: tuple):
-        # graphs become their launchers (no-argument callables); op calls stay _OpCall
-        self.steps = [s if isinstance(s, _OpCall) else graph_launch.launcher(s) for s in steps]
+        self.steps = steps
         self.output = output
         self.input_ptrs = input_ptrs
         self.graphs = sum(not isinstance(s, _OpCall) for s in steps)
@@ -156,7 +150,7 @@ class ReplayProgram:
                         # New host values: the first layer's call has just recorded their plan.
                         launch, make = make(meta, *self.attention), None
             else:
-                step()
+                step.replay()
         pool.replays += self.graphs
         self.runs += 1
         return self.output
