@@ -1,6 +1,6 @@
 """Micro-benchmark of the fused kernels on a CUDA GPU: one table, optionally a JSON file.
 
-    python scripts/bench_kernels.py [--json PATH] [--only attention,graph_split,argmax,rope_attention,prefetch] [--attention-sweep none|quick|full]
+    python scripts/bench_kernels.py [--json PATH] [--only attention,graph_split,argmax,rope_attention] [--attention-sweep none|quick|full]
 
 Memory-bound kernels (add+RMSNorm, SiLU-and-mul) are measured against the copy ceiling, the fused
 MoE against the time to read its active experts' weights once at that ceiling (its floor for
@@ -313,41 +313,6 @@ def sweep_rows(shapes, full=False):
     return rows
 
 
-PREFETCH_TILES = ((32, 4, 3), (64, 4, 2), (64, 8, 3), (16, 4, 4), (32, 8, 3))
-PREFETCH_SPLITS = (16, 32, 48, 64)
-
-
-def prefetch_rows():
-    """Decode attention with the K/V loads issued a tile ahead by hand (DecodeTuning.prefetch,
-    _attend_tiles_prefetch) against the engine's default, at B1 x 8192 (issue 4's 70% target) for
-    every tile shape and split count, then its three fastest at Hq 32 and at B64 x 2048."""
-    from pcg_engine.attention.launch_config import SPLIT_DECODE_TUNING, DecodeTuning, choose_num_splits
-    rows, found, cuda = [], [], torch.device("cuda")
-    b1 = AttentionShape(1, 8192, 1, 16, 8)
-    n = choose_num_splits(1, 1, 16, 8, ATTN_D, 1, 8192, cuda)
-    rows.append(b1.decode_row(f"decode default n{SPLIT_DECODE_TUNING.tile_n}", n, note=f"splits={n}"))
-    for tiles in PREFETCH_TILES:
-        for splits in PREFETCH_SPLITS:
-            t = DecodeTuning(*tiles, prefetch=True)
-            r = b1.decode_row(f"decode prefetch n{t.tile_n} w{t.num_warps} s{t.num_stages}", splits, t,
-                              note=f"splits={splits}")
-            rows.append(r)
-            if not r["note"].startswith("WRONG"):
-                found.append((r["us"], t, splits))
-    del b1
-    found.sort(key=lambda f: f[0])
-    for batch, ctx, Hq in ((1, 8192, 32), (64, 2048, 16)):
-        shape = AttentionShape(batch, ctx, 1, Hq, 8)
-        n = choose_num_splits(batch, batch, Hq, 8, ATTN_D, 1, ctx, cuda)
-        rows.append(shape.decode_row(f"decode default n{SPLIT_DECODE_TUNING.tile_n}", n, note=f"splits={n}"))
-        for _, t, splits in found[:3]:
-            s = splits if n > 1 else 1
-            rows.append(shape.decode_row(f"decode prefetch n{t.tile_n} w{t.num_warps} s{t.num_stages}", s, t,
-                                         note=f"splits={s}"))
-        del shape
-    return rows
-
-
 GRAPH_SPLIT_CONTEXTS = (128, 384, 1024, 8192)   # batch 1; batch 4 at the middle two
 
 
@@ -441,7 +406,7 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name()
     sections = dict(norm=norm_rows, activation=activation_rows, moe=moe_rows,
                     attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows,
-                    argmax=argmax_rows_section, rope_attention=rope_attention_section, prefetch=prefetch_rows)
+                    argmax=argmax_rows_section, rope_attention=rope_attention_section)
     rows = []
     for name in args.only.split(","):
         rows += sections[name.strip()]()

@@ -37,7 +37,6 @@ class DecodeTuning(NamedTuple):
     num_stages: int = 2       # software-pipeline depth of the K/V tile loads
     fused_merge: bool = False  # split-KV: the last program of each (q-block, kv head) merges
     merge_per_thread: int = 16  # fp32 partials a thread loads per step of that merge (see below)
-    prefetch: bool = False    # the K/V loads issued a tile ahead by hand (_attend_tiles_prefetch)
 
 
 DECODE_TUNING = DecodeTuning()
@@ -147,7 +146,6 @@ class KernelVariant(NamedTuple):
     # The full decode graphs' launch with the RoPE + KV write fused in (rope_decode_attention.py):
     # set by the Triton backend, never by kernel_variant below.
     rope_fused: bool = False
-    prefetch: bool = False   # decode only: _attend_tiles_prefetch
 
 
 def kernel_variant(num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
@@ -167,8 +165,7 @@ def kernel_variant(num_heads: int, num_kv_heads: int, head_dim: int, max_query_l
     per_load = host_next_pow2(tuning.merge_per_thread * 32 * num_warps)
     merge_chunk = max(1, per_load // (host_next_pow2(num_heads // num_kv_heads) * head_dim)) if fused else 0
     return KernelVariant(block_m, block_q, tile_n, num_warps, num_stages, max_query_len <= 1, splits > 1,
-                         host_next_pow2(splits) if splits > 1 and not fused else 0, fused, merge_chunk,
-                         prefetch=max_query_len <= 1 and tuning.prefetch)
+                         host_next_pow2(splits) if splits > 1 and not fused else 0, fused, merge_chunk)
 
 
 def _clamp_splits(num_splits: int) -> int:

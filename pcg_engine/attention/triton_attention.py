@@ -113,56 +113,6 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, tile_lo, tile
     return acc, m_i, l_i
 
 
-@triton.jit
-def _tile_offsets(bt_row, tile, kv_end, stride_blk, stride_tok, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """(keys, in_seq, each key's offset in the cache) of one key tile; keys past kv_end get block 0."""
-    n = tile * TILE_N + tl.arange(0, TILE_N)
-    in_seq = n < kv_end
-    blk = tl.load(bt_row + n // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
-    return n, in_seq, blk * stride_blk + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
-
-
-@triton.jit
-def _attend_tiles_prefetch(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, tile_lo, tile_hi, kv_end,
-                           stride_blk, stride_tok, qk_scale,
-                           TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           IEEE: tl.constexpr):
-    """_attend_tiles (masked) with the loads issued ahead by hand: Triton single-buffers the K/V
-    tiles of that loop (see the DecodeTuning note in launch_config.py), so each tile there costs a
-    memory round trip. Here the next tile's K and V are requested before this tile's math and the
-    block ids two tiles ahead, so a load waits only for data that had a whole iteration to arrive.
-    Keys of tiles at or past tile_hi are masked off (they load nothing)."""
-    d = tl.arange(0, HEAD_DIM)
-    hi_key = tl.minimum(tile_hi * TILE_N, kv_end)   # keys past this end are another program's
-    n, in_seq, off = _tile_offsets(bt_row, tile_lo, hi_key, stride_blk, stride_tok, TILE_N, BLOCK_SIZE)
-    k = tl.load(k_base + off[None, :] + d[:, None], mask=in_seq[None, :], other=0.0)
-    v = tl.load(v_base + off[:, None] + d[None, :], mask=in_seq[:, None], other=0.0)
-    n_nx, in_nx, off_nx = _tile_offsets(bt_row, tile_lo + 1, hi_key, stride_blk, stride_tok, TILE_N, BLOCK_SIZE)
-    for tile in range(tile_lo, tile_hi):
-        n_n2, in_n2, off_n2 = _tile_offsets(bt_row, tile + 2, hi_key, stride_blk, stride_tok, TILE_N, BLOCK_SIZE)
-        k_nx = tl.load(k_base + off_nx[None, :] + d[:, None], mask=in_nx[None, :], other=0.0)
-        v_nx = tl.load(v_base + off_nx[:, None] + d[None, :], mask=in_nx[:, None], other=0.0)
-        k = k.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * qk_scale
-        s = tl.where((n[None, :] <= q_pos[:, None]) & in_seq[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-        k, v, n, in_seq = k_nx, v_nx, n_nx, in_nx
-        n_nx, in_nx, off_nx = n_n2, in_n2, off_n2
-    return acc, m_i, l_i
-
-
 # Per-step integers: specialising on them would buy nothing (they bound loops and masks) and would
 # multiply the compiled variants by three each (see the module docstring).
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits"])
@@ -176,7 +126,6 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, SEARCH: tl.constexpr,
     DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     if PDL:  # kernels/pdl.py: q, the cache and the metadata all come from earlier kernels or copies
         gdc_wait()
@@ -255,19 +204,14 @@ def _unified_attention_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    if PREFETCH:   # one masked loop with the loads issued a tile ahead (decode tunings only)
-        acc, m_i, l_i = _attend_tiles_prefetch(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, t_lo, t_hi, kv_end,
-                                               stride_c_blk, stride_c_tok, qk_scale,
-                                               TILE_N, BLOCK_SIZE, HEAD_DIM, IEEE)
-    else:
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos,
-                                      t_lo, tl.minimum(t_hi, num_full), kv_end,
-                                      stride_c_blk, stride_c_tok, qk_scale,
-                                      TILE_N, BLOCK_SIZE, HEAD_DIM, False, IEEE)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos,
-                                      tl.maximum(t_lo, num_full), t_hi, kv_end,
-                                      stride_c_blk, stride_c_tok, qk_scale,
-                                      TILE_N, BLOCK_SIZE, HEAD_DIM, True, IEEE)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos,
+                                  t_lo, tl.minimum(t_hi, num_full), kv_end,
+                                  stride_c_blk, stride_c_tok, qk_scale,
+                                  TILE_N, BLOCK_SIZE, HEAD_DIM, False, IEEE)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos,
+                                  tl.maximum(t_lo, num_full), t_hi, kv_end,
+                                  stride_c_blk, stride_c_tok, qk_scale,
+                                  TILE_N, BLOCK_SIZE, HEAD_DIM, True, IEEE)
 
     # l == 0: no key at all (seq_len 0, padding rows, an empty split) -> zeros, not 0/0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -390,7 +334,7 @@ def _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, 
         TILE_N=v.tile_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLIT=v.split,
         IEEE=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16), SEARCH=SEARCH_BLOCK,
         DECODE=v.decode, FUSED_MERGE=v.fused_merge,
-        MERGE_CHUNK=v.merge_chunk, PREFETCH=v.prefetch,
+        MERGE_CHUNK=v.merge_chunk,
         num_warps=v.num_warps, num_stages=v.num_stages, **pdl_kwargs,
     )
     main = _jit(_unified_attention_kernel, grid, args, kwargs, 9, record)

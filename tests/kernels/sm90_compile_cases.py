@@ -194,8 +194,6 @@ ATTENTION_VARIANTS = {
     "prefill q512": (False, lambda s: unified(s, step(s, 512, 1, 512, 512), False)),
     "prefill split q4 8k": (False, lambda s: unified(s, step(s, 4, 1, 4, 8192), False)),
     "decode fused merge": (True, lambda s: unified(s, step(s, 1, 1, 1, 8192), True, lc.DecodeTuning(fused_merge=True))),
-    "decode prefetch split B1": (False, lambda s: unified(s, step(s, 1, 1, 1, 8192), False,
-                                                          lc.DecodeTuning(32, 4, 3, prefetch=True))),
     "rope_decode split B1": (True, lambda s: rope_decode(s, step(s, 1, 1, 1, 8192))),
     "rope_decode unsplit B128": (True, lambda s: rope_decode(s, step(s, 128, 128, 1, 8192))),
     "rope_kv": (True, lambda s: rope_kv(s, step(s, 8, 8, 1, 100))),

@@ -118,21 +118,16 @@ TUNINGS = [
     triton_attention.DecodeTuning(16, 4, 4, True),
     triton_attention.DecodeTuning(32, 8, 3, True, 1),  # merge loads of 4 splits here: several, one partial
     triton_attention.DecodeTuning(128, 4, 1, True),
-    # the loads issued a tile ahead (_attend_tiles_prefetch); tiles of 16 cross the 4-token blocks
-    triton_attention.DecodeTuning(64, 4, 2, False, prefetch=True),
-    triton_attention.DecodeTuning(16, 4, 4, True, prefetch=True),
 ]
 
 
 # Under the interpreter only tile_n and fused_merge change what runs (warps and stages are GPU
 # codegen); 24 splits (above every tile count here) is slow there: one variant covers it.
-SPLIT_DECODE_RUNS = ([(t, s) for t in TUNINGS for s in (3, 8)] + [(TUNINGS[1], 2), (TUNINGS[1], 24)]
-                     + [(t, 1) for t in TUNINGS if t.prefetch])   # prefetch without split-KV too
+SPLIT_DECODE_RUNS = [(t, s) for t in TUNINGS for s in (3, 8)] + [(TUNINGS[1], 2), (TUNINGS[1], 24)]
 
 
 @pytest.mark.parametrize("tuning,splits", SPLIT_DECODE_RUNS,
-                         ids=[f"n{t.tile_n}w{t.num_warps}s{t.num_stages}{'fused' if t.fused_merge else ''}"
-                              f"{'pf' if t.prefetch else ''}-{s}"
+                         ids=[f"n{t.tile_n}w{t.num_warps}s{t.num_stages}{'fused' if t.fused_merge else ''}-{s}"
                               for t, s in SPLIT_DECODE_RUNS])
 @pytest.mark.parametrize("name", list(SPLIT_DECODE_CASES))
 def test_split_decode_variants(name, tuning, splits):
