@@ -11,7 +11,7 @@
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_pwpdl (piecewise with PCG_PIECEWISE_PDL 0/1, alternated twice),
 # graphs_pwpdl (the graphs part with PCG_PIECEWISE_PDL=1), p1_piece (piecewise: Inductor pieces, FX pieces, FX pieces with PDL; alternated twice),
-# p1_fusedmerge (piecewise with PCG_EAGER_FUSED_MERGE_SPLITS 0/8, alternated twice), prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
+# prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
@@ -49,10 +49,6 @@ part() {
             PCG_PIECE_COMPILER=${v%+pdl} PCG_PIECEWISE_PDL=$([ "$v" = eager+pdl ] && echo 1 || echo 0) timeout $(lim 100) \
               $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} --num-iters 2 --warmup-iters 1 \
               --json $OUT/p1_q06_piece_$v-$i.json 2>&1 | grep -E "piecewise|mode" | sed "s/^/$v /"
-          done; done ;;
-    p1_fusedmerge) for i in 1 2; do for v in 0 8; do   # A/B, alternated: eager decode's few-split merge in the main kernel (launch_config.py)
-            PCG_EAGER_FUSED_MERGE_SPLITS=$v timeout $(lim 100) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} \
-              --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_fm$v-$i.json 2>&1 | grep -E "piecewise|mode" | sed "s/^/fm=$v /"
           done; done ;;
     prof1) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 1 --steps 20 --kernel-table \
           --configs "${PROF1_CONFIGS:-full graphs + async,piecewise + async}" --out-dir $OUT/prof1${PROF1_TAG:-} \

@@ -49,13 +49,6 @@ SPLIT_PROGRAMS_PER_SM = 4  # choose_num_splits' target (B1 x 8192, Hk 8: 4 -> 64
 # 28.9 vs 28.2 at 8,192; GQA 4 (Qwen3-8B) 10.5 vs 8.1 at 384, 19.6 vs 9.7 at 1,024, 36.3 vs 26.6
 # at 8,192.
 GRAPH_SPLIT_DECODE_TUNING = DecodeTuning(fused_merge=False)
-# Eager decode steps with few splits (batch 1 at 256-511 keys: 4 splits of 1-2 tiles) merge in the
-# main kernel: the last of the few programs of a head merges a few partials, where the merge kernel
-# is a second launch a layer between piecewise's graphs (host work and a kernel boundary each).
-# Up to EAGER_FUSED_MERGE_SPLITS splits; PCG_EAGER_FUSED_MERGE_SPLITS moves it, 0 turns it off
-# (an A/B switch, read at import).
-EAGER_FUSED_MERGE_SPLITS = int(os.environ.get("PCG_EAGER_FUSED_MERGE_SPLITS", "0"))
-FEW_SPLIT_DECODE_TUNING = DecodeTuning(fused_merge=True)
 # The fused merge's tail grows with the split count (see graph_num_splits). PCG_GRAPH_SPLITS=1
 # turns split-KV inside graphs off, another value moves the cap (an A/B switch for benchmarks,
 # read at import).
@@ -162,12 +155,7 @@ def kernel_variant(num_heads: int, num_kv_heads: int, head_dim: int, max_query_l
     and fused_merge for every split launch) defaults to the module's DecodeTuning for the case."""
     splits = _clamp_splits(num_splits)
     if tuning is None:
-        if splits == 1:
-            tuning = DECODE_TUNING
-        elif max_query_len <= 1 and splits <= EAGER_FUSED_MERGE_SPLITS:
-            tuning = FEW_SPLIT_DECODE_TUNING
-        else:
-            tuning = SPLIT_DECODE_TUNING
+        tuning = SPLIT_DECODE_TUNING if splits > 1 else DECODE_TUNING
     block_m, block_q, tile_n, num_warps, num_stages = _tile_config(head_dim, num_heads // num_kv_heads,
                                                                    max_query_len, tuning)
     fused = splits > 1 and tuning.fused_merge

@@ -308,24 +308,3 @@ def test_gpu_backend_cuda_graph_replay():
         torch.cuda.synchronize()
         check(static["out"].view(T, Hq, D), ref_out.float().view(T, Hq, D), 1e-2)
         assert torch.equal(static["cache"][:, 1:], ref_cache[:, 1:])
-
-
-def test_few_eager_splits_merge_in_the_main_kernel(monkeypatch):
-    """PCG_EAGER_FUSED_MERGE_SPLITS: a decode launch with the module's tuning and at most that many
-    splits merges in the main kernel (no merge kernel); more splits, or prefill chunks, keep the
-    merge kernel. Same numbers either way, and the counters are left at zero."""
-    from pcg_engine.attention import launch_config
-    monkeypatch.setattr(launch_config, "EAGER_FUSED_MERGE_SPLITS", 4)
-    assert launch_config.kernel_variant(4, 2, 32, 1, 4).fused_merge
-    assert not launch_config.kernel_variant(4, 2, 32, 1, 5).fused_merge
-    assert not launch_config.kernel_variant(4, 2, 32, 8, 4).fused_merge      # prefill chunks
-    assert not launch_config.kernel_variant(4, 2, 32, 1, 1).split
-    explicit = launch_config.DecodeTuning(fused_merge=False)
-    assert not launch_config.kernel_variant(4, 2, 32, 1, 4, explicit).fused_merge
-    specs, pad, bs, Hq, Hk, D, dtype = SPLIT_DECODE_CASES["bs16"]
-    q, cache, meta = make_batch(specs, len(specs) + pad, bs, Hq, Hk, D, dtype)
-    out = torch.full_like(q, float("nan"))
-    unified_attention(q, cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                      meta.num_reqs, 1, D ** -0.5, num_splits=4)
-    check(out, reference(q, cache, meta, D ** -0.5), 1e-2)
-    assert not triton_attention._COUNTERS[q.device].any(), "a fused merge left a counter set"
