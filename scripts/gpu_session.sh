@@ -9,8 +9,7 @@
 # modes), p5 (start-up), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
-# p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_pwpdl (piecewise with PCG_PIECEWISE_PDL 0/1, alternated twice),
-# graphs_pwpdl (the graphs part with PCG_PIECEWISE_PDL=1), p1_piece (piecewise: Inductor pieces, FX pieces, FX pieces with PDL; alternated twice),
+# p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice),
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
@@ -41,19 +40,14 @@ part() {
           --warmup-iters 1 --json $OUT/p1_q8b.json 2>&1 | tail -8 ;;
     p1_nopdl) PCG_PDL=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_nopdl.json 2>&1 | tail -7 ;;   # A/B: kernels/pdl.py
-    p1_pwpdl) for i in 1 2; do for v in 0 1; do   # A/B, alternated: PDL inside the piece graphs (compile/cuda_graph.py)
-            PCG_PIECEWISE_PDL=$v timeout $(lim 100) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} \
-              --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_pwpdl$v-$i.json 2>&1 | grep -E "piecewise|mode"
-          done; done ;;
-    p1_piece) for i in 1 2; do for v in inductor eager eager+pdl; do   # A/B, alternated: Inductor vs FX pieces (compile/backend.py)
-            PCG_PIECE_COMPILER=${v%+pdl} PCG_PIECEWISE_PDL=$([ "$v" = eager+pdl ] && echo 1 || echo 0) timeout $(lim 100) \
+    p1_piece) for i in 1 2; do for v in inductor eager; do   # A/B, alternated: Inductor vs FX pieces (compile/backend.py)
+            PCG_PIECE_COMPILER=$v timeout $(lim 100) \
               $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} --num-iters 2 --warmup-iters 1 \
               --json $OUT/p1_q06_piece_$v-$i.json 2>&1 | grep -E "piecewise|mode" | sed "s/^/$v /"
           done; done ;;
     prof1) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 1 --steps 20 --kernel-table \
           --configs "${PROF1_CONFIGS:-full graphs + async,piecewise + async}" --out-dir $OUT/prof1${PROF1_TAG:-} \
           --json $OUT/prof1${PROF1_TAG:-}.json 2>&1 | tail -${PROF1_TAIL:-90} ;;
-    graphs_pwpdl) PCG_PIECEWISE_PDL=1 timeout $(lim 250) $T tests/compile 2>&1 | tee $OUT/gpu_graphs_pwpdl.log | tail -25 ;;
     p1_nofast) PCG_FAST_LAUNCH=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise,full_and_piecewise} \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_nofast.json 2>&1 | tail -7 ;;   # A/B: kernels/fast_launch.py
     p1_norope) PCG_FUSED_ROPE_ATTENTION=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-full_decode,full_and_piecewise} \

@@ -14,15 +14,6 @@ layer's KV cache (allocated once; the KV write inside each piece writes it in pl
 of `batch.slot_mapping`, another static buffer, read through the step's metadata) and
 `batch.positions[:T]`. `GraphPool.debug` (env PCG_CUDAGRAPH_DEBUG=1) checks that on every replay.
 
-PDL inside the pieces (`GraphPool.pdl`, env PCG_PIECEWISE_PDL=1, off by default): each piece is
-captured inside `pdl.scope()`, so the kernels of one piece that opt in (kernels/pdl.py) get
-programmatic edges to the kernel before them in the same graph. The eager attention between pieces
-stays a plain launch, and a graph launch waits for the stream as always, so only the boundaries
-inside a piece change. Why only an experiment: session 4 measured PDL in *every* launch as a loss
-for piecewise (2.38 -> 3.63 ms, when it was host-bound); inside the piece graphs alone it is
-unmeasured. The step is now bound by the GPU timeline (1.0 ms busy at batch 1 against
-full_decode's 0.87, which PDL gave 0.08 ms), so it should move piecewise by a few tens of µs.
-
 Memory: the graph keeps only non-owning views of its outputs. While one forward runs, the outputs
 it still needs are held by the split module's locals, so the allocator cannot hand them to a later
 piece's capture; once the forward is over the memory returns to the shared pool, and the next
@@ -37,8 +28,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-
-from pcg_engine.kernels import pdl
 
 
 class GraphPool:
@@ -55,7 +44,6 @@ class GraphPool:
         self.debug = os.environ.get("PCG_CUDAGRAPH_DEBUG") == "1" if debug is None else debug
         # Keep graph outputs alive instead of non-owning views (more memory; a debugging aid).
         self.strong_outputs = os.environ.get("PCG_CUDAGRAPH_STRONG_OUTPUTS") == "1"
-        self.pdl = os.environ.get("PCG_PIECEWISE_PDL") == "1"   # capture pieces inside pdl.scope()
         self.captures: Counter = Counter()   # (piece index, bucket) -> captures (must stay 1)
         self.replays = 0
         # replay_program.py: the tape of the forward being recorded, and each bucket's program
@@ -203,8 +191,7 @@ class GraphedPiece:
             pool.tape.other()
         if not (pool.capturing and T in self.buckets):
             return self.compiled(*args)
-        with pdl.scope() if pool.pdl else contextlib.nullcontext():
-            graph, outputs = capture(pool, self.compiled, *args)
+        graph, outputs = capture(pool, self.compiled, *args)
         graph.replay()  # capture only records: produce this dummy forward's real outputs
         kept = outputs if pool.strong_outputs else _map(non_owning, outputs)
         self.entries[T] = _Entry(graph, kept, _pointers(args))

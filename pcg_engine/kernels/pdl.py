@@ -17,8 +17,7 @@ other kernels wait first thing and gain only the launch. The wait is executed by
 before any early exit, so a kernel never completes before its predecessor has, and the ordering is
 transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
 
-Where: only inside `scope()`, which the full decode graphs' capture enters (compile/full_graph.py),
-and, with PCG_PIECEWISE_PDL=1 (an experiment), each piecewise graph's capture (compile/cuda_graph.py).
+Where: only inside `scope()`, which the full decode graphs' capture enters (compile/full_graph.py).
 Measured on the H200 (session 4, call 2, P1 batch-1 decode, with graph split-KV): Qwen3-0.6B
 full_decode 1.048 -> 0.965 ms a token, full_and_piecewise 1.049 -> 0.958, and the CUDA-graph
 equivalence tests pass with it. With PDL in every launch (call 3), the host-bound modes got slower

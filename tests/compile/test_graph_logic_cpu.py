@@ -168,35 +168,3 @@ def test_default_decode_buckets():
     assert full_graph.default_decode_buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert full_graph.default_decode_buckets(3) == [1, 2, 3]
     assert full_graph.default_decode_buckets(20) == [1, 2, 4, 8, 16, 20]
-
-
-@pytest.mark.parametrize("env", [None, "1"])
-def test_piecewise_pdl_scope_only_around_piece_capture(monkeypatch, env):
-    """PCG_PIECEWISE_PDL=1 captures each piece inside pdl.scope() (kernels/pdl.py): the launches a
-    piece's capture records opt in; replays and everything outside a capture stay plain."""
-    from pcg_engine.kernels import pdl
-    if env is None:
-        monkeypatch.delenv("PCG_PIECEWISE_PDL", raising=False)
-    else:
-        monkeypatch.setenv("PCG_PIECEWISE_PDL", env)
-    depth_seen = []
-
-    def piece(x):
-        depth_seen.append(pdl._depth)
-        return x * 2
-
-    monkeypatch.setattr(cuda_graph, "capture", fake_capture)
-    pool = cuda_graph.GraphPool(torch.device("cpu"))
-    pool.enabled = True
-    assert pool.pdl == (env == "1")
-    graphed = cuda_graph.GraphedPiece(piece, 0, pool, buckets=[4])
-    x = torch.arange(4.0)
-    pool.num_tokens = 4
-    with pool.capture_phase():
-        assert torch.equal(graphed(x), x * 2)        # warm-up, capture, replay
-    inside = depth_seen[:]
-    assert len(inside) == 3 and all(d == (1 if env == "1" else 0) for d in inside[:2])
-    assert inside[2] == 0                            # the replay that gives the capture's outputs
-    depth_seen.clear()
-    assert torch.equal(graphed(x), x * 2)            # a replay outside the capture phase
-    assert depth_seen == [0] and pdl._depth == 0
