@@ -42,10 +42,11 @@ def kernel_table(kernels: list[dict], steps: int, top: int = 25) -> list[dict]:
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e["name"], []).append(e["dur"])
-    total = sum(sum(v) for v in by_name.values()) or 1e-9
-    rows = [{"kernel": name, "calls_per_step": len(d) / steps, "us_per_step": sum(d) / steps,
-             "us_per_call": sum(d) / len(d), "share": sum(d) / total} for name, d in by_name.items()]
-    rows.sort(key=lambda r: -r["us_per_step"])
+    totals = {name: sum(d) for name, d in by_name.items()}
+    busy = sum(totals.values()) or 1e-9
+    rows = [{"kernel": name, "calls_per_step": len(by_name[name]) / steps, "us_per_step": t / steps,
+             "us_per_call": t / len(by_name[name]), "share": t / busy}
+            for name, t in sorted(totals.items(), key=lambda kv: -kv[1])]
     return rows[:top]
 
 

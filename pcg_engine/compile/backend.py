@@ -32,9 +32,9 @@ class CompileStats:
     submodules: int = 0        # pieces + splitting-op submodules of the last trace
     pieces: int = 0            # compiled (non-attention) pieces of the last trace
     splitting_nodes: int = 0   # attention nodes of the last trace
-    inductor_compiles: int = 0
+    inductor_compiles: int = 0  # pieces handed to the piece compiler (Inductor unless PCG_PIECE_COMPILER)
     reuses: int = 0
-    inductor_s: float = 0.0    # wall time inside Inductor (the set-up derives dynamo_s from it)
+    inductor_s: float = 0.0    # wall time inside that compiler (the set-up derives dynamo_s from it)
     keys: list = field(default_factory=list)   # piece key of each piece, in order
 
 
