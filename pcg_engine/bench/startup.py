@@ -95,15 +95,16 @@ def main(argv=None) -> int:
         cold = run_once(model, config, root, prof("cold"))
         warm = run_once(model, config, root, prof("warm"))
     rows = []
-    parts = ("imports_s", "device_init_s", "weight_load_s", "kv_cache_s", "dynamo_s", "inductor_s", "capture_s",
-             "warmup_s", "gc_freeze_s")
+    parts = ("imports_s", "device_init_s", "weight_load_s", "kv_cache_s", "dynamo_s", "inductor_s", "precompile_s",
+             "capture_s", "warmup_s", "gc_freeze_s")
     for name, r in (("cold", cold), ("warm", warm)):
         t = r["timings"]
         other = r["ready_s"] - sum(t.get(k) or 0.0 for k in parts)   # interpreter start, engine objects
-        rows.append([name, r["ready_s"], *(t.get(k) for k in parts), other, t.get("graph_pool_mib")])
+        rows.append([name, r["ready_s"], *(t.get(k) for k in parts), other, t.get("graph_pool_mib"),
+                     t.get("late_variants")])
     print_table(f"start-up ({cold['mode']})", ["run", "ready s", "imports s", "CUDA init s", "weights s", "KV cache s",
-                                                "dynamo s", "inductor s", "capture s", "warm-up s", "gc freeze s", "other s",
-                                                "graph pool MiB"], rows)
+                                                "dynamo s", "inductor s", "pre-compile s", "capture s", "warm-up s", "gc freeze s",
+                                                "other s", "graph pool MiB", "late variants"], rows)
     if args.json:
         write_json(args.json, {"cold": cold, "warm": warm, "config": config, **env_record(model, args.device)})
     return 0

@@ -28,6 +28,7 @@ from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
 from pcg_engine.compile.piecewise import MIN_TRACED_TOKENS, CompiledForward
 from pcg_engine.config import default_buckets, sparse_buckets
+from pcg_engine.engine.precompile import precompile
 
 COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
 FULL_MODES = ("full_decode", "full_and_piecewise")
@@ -149,17 +150,19 @@ def setup_compiled_modes(runner, progress=None) -> None:
         timings["compiled_pieces"] = float(stats.pieces)
         timings["inductor_cache_hits"] = float(after["hit"] - before["hit"])
         timings["inductor_cache_misses"] = float(after["miss"] - before["miss"])
-        reserved0 = torch.cuda.memory_reserved(runner.device) if cuda else 0
-        if cuda and split:
-            timings["capture_s"] = capture_piecewise(runner, forward, buckets, progress)
     else:
         runner.token_buckets = []
-        reserved0 = torch.cuda.memory_reserved(runner.device) if cuda else 0
-
     if mode in FULL_MODES:
-        graphs = FullDecodeGraphs(runner, decode_buckets, pool=pool)
-        runner.full_graphs = graphs
-        timings["capture_s"] = timings.get("capture_s", 0.0) + graphs.capture_all(progress)
+        runner.full_graphs = FullDecodeGraphs(runner, decode_buckets, pool=pool)   # captured below
+    # Every Triton variant capture and warm-up will launch, compiled in parallel first (a no-op
+    # where there is nothing to compile): engine/precompile.py.
+    precompile(runner, buckets)
+
+    reserved0 = torch.cuda.memory_reserved(runner.device) if cuda else 0
+    if cuda and buckets:                # piecewise modes
+        timings["capture_s"] = capture_piecewise(runner, runner.forward_fn, buckets, progress)
+    if mode in FULL_MODES:
+        timings["capture_s"] = timings.get("capture_s", 0.0) + runner.full_graphs.capture_all(progress)
 
     if cuda:
         timings["graph_pool_mib"] = (torch.cuda.memory_reserved(runner.device) - reserved0) / 2**20

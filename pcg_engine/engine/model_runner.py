@@ -26,6 +26,7 @@ from pcg_engine.attention.op import bind_kv_caches
 from pcg_engine.attention.rope import rope_cache
 from pcg_engine.config import EngineConfig, default_buckets
 from pcg_engine.engine.input_batch import InputBatch, StepInputs
+from pcg_engine.engine.precompile import VariantCounter, precompile
 from pcg_engine.models.loader import load_model
 
 
@@ -78,8 +79,15 @@ class ModelRunner:
         self.forward_fn = self.model.forward
         self.token_buckets: list[int] = []
         self.full_graphs = None
-        self._setup_mode(progress)
-        self._warm_up(progress)
+        # Triton variants made from here on (engine/precompile.py): late_variants, those after the
+        # pre-compile's dry pass, are what it missed.
+        self.variant_counter = VariantCounter()
+        with self.variant_counter:
+            self._setup_mode(progress)
+            self._warm_up(progress)
+        after = getattr(self, "variants_after_precompile", None)
+        if after is not None:
+            self.timings["late_variants"] = float(self.variant_counter.count - after)
 
     def close(self) -> None:
         """Release the device memory this runner holds (KV cache, graphs and their pool, compiled
@@ -144,6 +152,7 @@ class ModelRunner:
             return
         from pcg_engine.engine.warmup import has_jit_kernels, warm_up
         if has_jit_kernels(self):
+            precompile(self)         # eager mode's (the compiled modes ran it before capture)
             try:
                 warm_up(self, progress)
             except Exception as e:   # a serving engine still starts: the kernels compile on first use

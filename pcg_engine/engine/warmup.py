@@ -290,7 +290,7 @@ def has_jit_kernels(runner) -> bool:
 def warm_up(runner, progress=None) -> list[WarmupStep]:
     """Run the planned steps; records warmup_s (planning included), warmup_plan_s, warmup_steps."""
     t0 = time.perf_counter()
-    steps = plan(runner)
+    steps = getattr(runner, "warmup_plan", None) or plan(runner)   # precompile.py's, where it ran
     runner.timings["warmup_plan_s"] = time.perf_counter() - t0
     task = progress.add_task("kernel warm-up", total=len(steps)) if progress is not None else None
     for step in steps:

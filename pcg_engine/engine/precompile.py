@@ -1,0 +1,218 @@
+"""Parallel kernel pre-compile: the Triton variants that capture and warm-up will meet, compiled in threads first.
+
+Why: CUDA-graph capture and the kernel warm-up (warmup.py) meet the engine's Triton kernel variants
+one after another, and each first meeting stops start-up for a compile (0.1-1 s). On the H200, a
+cold start of Qwen3-0.6B in full_and_piecewise spent 12.9 s in capture and 6.1 s in warm-up, against
+2.4 s and under 1 s when Triton's cache was warm (docs/PERF.md, session 9). A Triton compile spends
+most of its time outside the GIL (MLIR passes, LLVM, ptxas), so threads compile variants side by
+side: 8 variants on the 2-core dev VM took 12.3-13.6 s in sequence and 6.9-7.7 s in 2 threads.
+
+How: a dry pass over the steps capture and warm-up will run, before them, in which
+  * every launch of a Triton JIT kernel becomes Triton's own `warmup=True` call (compile, do not
+    launch), inside Triton's AsyncCompileMode over a thread pool: the call returns at once and the
+    compile runs in a worker. Leaving the mode waits for every compile and puts each kernel into
+    its JIT cache, where the real launches of capture and warm-up then find it;
+  * the model is cut to its distinct layers: layer 0 (its norm has no residual to add) and the
+    first later layer of each kind (same module types and parameter shapes). Identical layers make
+    identical launches, so two layers of 28 meet every variant at a fraction of the host time;
+  * kernels/fast_launch.py is off: nothing is launched, so nothing may be recorded for replay.
+The steps: the full decode graphs' buckets, run as their capture runs them (the eager model inside
+backend.capturing() and pdl.scope()); the piecewise buckets, with the eager model standing in for
+the compiled pieces (their custom ops get the same shapes; a variant this misses still compiles
+at capture, as without this pass); and warmup.plan()'s steps, which warm_up() reuses.
+
+Safety: only the torch ops between the skipped kernels run, on whatever the skipped kernels' outputs
+held. No torch op of the forward indexes memory with a value a Triton kernel wrote (the MoE routing's
+expert ids come from torch.topk; the align kernels' outputs feed only the grouped GEMM kernel), so
+garbage stays garbage and never faults. The KV writes are Triton kernels, skipped: the pass writes
+no KV block, only the runner's static input buffers, which every real step rewrites.
+
+Timings (runner.timings): precompile_s; precompile_variants, the kernel variants the pass made
+(compiled, or loaded from Triton's on-disk cache on a warm start); late_variants (ModelRunner's
+VariantCounter), those made after it during start-up: what the pass missed. PCG_PRECOMPILE=0 (read
+at import) turns the pass off (A/B switch; the engine then starts as before).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+ENABLED = os.environ.get("PCG_PRECOMPILE", "1") != "0"
+
+
+def _async_compile_mode():
+    """Triton's AsyncCompileMode, or None where this Triton lacks it (3.6 and 3.9 have the same
+    interface) or interprets kernels."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return None
+    return None if os.environ.get("TRITON_INTERPRET", "0") == "1" else AsyncCompileMode
+
+
+def available(runner) -> bool:
+    from pcg_engine.engine.warmup import has_jit_kernels
+    return ENABLED and runner.device.type == "cuda" and _async_compile_mode() is not None and has_jit_kernels(runner)
+
+
+# ---- counting the variants a start-up makes ------------------------------------------------------
+
+class VariantCounter:
+    """Counts Triton JIT variants made (compiled or loaded from the disk cache) while installed, through
+    Triton's jit_post_compile_hook; a hook installed before keeps being called."""
+
+    def __init__(self):
+        self.count = 0
+        self._previous = None
+        self._runtime = None
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        if self._previous is not None:
+            return self._previous(*args, **kwargs)
+        return None
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        if hasattr(knobs.runtime, "jit_post_compile_hook"):
+            self._runtime = knobs.runtime
+            self._previous = self._runtime.jit_post_compile_hook
+            self._runtime.jit_post_compile_hook = self
+        return self
+
+    def __exit__(self, *exc):
+        if self._runtime is not None and self._runtime.jit_post_compile_hook is self:
+            self._runtime.jit_post_compile_hook = self._previous
+        self._runtime = None
+
+
+# ---- the dry pass's two switches ---------------------------------------------------------------
+
+@contextmanager
+def compile_only():
+    """Launches of Triton JIT kernels compile their variant and launch nothing (warmup=True); the
+    direct launches of kernels/fast_launch.py are off meanwhile, so that nothing is recorded."""
+    from triton.runtime.jit import JITFunction
+    from pcg_engine.kernels import fast_launch
+    run = JITFunction.run
+
+    def dry_run(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    fast = fast_launch.ENABLED
+    JITFunction.run, fast_launch.ENABLED = dry_run, False
+    try:
+        yield
+    finally:
+        JITFunction.run, fast_launch.ENABLED = run, fast
+
+
+def layer_kind(layer: torch.nn.Module) -> tuple:
+    """What makes two decoder layers launch the same kernels: their module types and parameter shapes."""
+    return tuple((type(m).__name__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
+                 for m in layer.modules())
+
+
+def distinct_layer_indices(layers) -> list[int]:
+    """Layer 0 (no residual comes into it) and the first later layer of each kind."""
+    keep, seen = [0], set()
+    for i in range(1, len(layers)):
+        kind = layer_kind(layers[i])
+        if kind not in seen:
+            seen.add(kind)
+            keep.append(i)
+    return keep if len(layers) else []
+
+
+@contextmanager
+def distinct_layers(model: torch.nn.Module):
+    """model.model.layers cut to distinct_layer_indices while inside (a model without that list is
+    left whole)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        yield model
+        return
+    inner.layers = torch.nn.ModuleList(layers[i] for i in distinct_layer_indices(layers))
+    try:
+        yield model
+    finally:
+        inner.layers = layers
+
+
+# ---- the pass ------------------------------------------------------------------------------------
+
+def _dry_steps(runner, piecewise_buckets, plan):
+    """The pass's steps, as callables: every one a forward of the (cut) eager model."""
+    from pcg_engine.compile.setup import _dummy_forward
+    from pcg_engine.engine import warmup
+    from pcg_engine.kernels import pdl
+    from pcg_engine.attention.context import ForwardContext, set_forward_context
+
+    graphs = runner.full_graphs
+    if graphs is not None:
+        def full(bucket):
+            with runner.backend.capturing(fuse_rope=graphs.fuse_rope), pdl.scope():
+                graphs._dummy_batch(bucket)
+                graphs._forward(bucket)
+        for bucket in sorted(graphs.buckets, reverse=True):
+            yield lambda b=bucket: full(b)
+    for bucket in sorted(piecewise_buckets, reverse=True):
+        yield lambda b=bucket: _dummy_forward(runner, runner.model.forward, b)
+    b = runner.batch
+    for step in plan:
+        if step.path == "full":
+            continue                     # a full-graph bucket: above
+        def eager(s=step):
+            tensors = warmup._fill(runner, s)
+            context = ForwardContext(warmup._host_metadata(s, tensors), runner.kv_caches, runner.backend)
+            with set_forward_context(context):
+                runner.model.forward(b.input_ids[:s.num_tokens], b.positions[:s.num_tokens])
+        yield eager
+
+
+@torch.inference_mode()
+def precompile(runner, piecewise_buckets=(), workers: int | None = None) -> None:
+    """The dry pass (module docstring). Call after the mode's forward, buckets and runner.full_graphs
+    are set and before anything is captured. Leaves warmup.plan()'s steps in runner.warmup_plan.
+    A failure is a warning: the kernels then compile where they are first launched."""
+    if getattr(runner, "precompiled", False) or not available(runner):
+        return
+    runner.precompiled = True
+    from pcg_engine.engine import warmup
+    from pcg_engine.kernels import argmax
+    AsyncCompileMode = _async_compile_mode()
+    t0 = time.perf_counter()
+    workers = workers or min(32, os.cpu_count() or 1)
+    counter = VariantCounter()
+    try:
+        plan = runner.warmup_plan = warmup.plan(runner)
+        with ThreadPoolExecutor(workers, thread_name_prefix="pcg-precompile") as pool, counter:
+            with distinct_layers(runner.model), AsyncCompileMode(pool), compile_only():
+                for step in _dry_steps(runner, piecewise_buckets, plan):
+                    step()
+                lm_head = runner.model.lm_head_weight
+                argmax.warm_up(lm_head.shape[0], lm_head.dtype, runner.device)
+            # leaving AsyncCompileMode waited for every compile and filled the JIT caches
+    except Exception as e:  # a serving engine still starts: the kernels compile on first use
+        warnings.warn(f"kernel pre-compile failed, kernels will compile where first launched: {e!r}")
+        runner.timings["precompile_failed"] = 1.0
+    torch.cuda.synchronize(runner.device)
+    runner.timings["precompile_s"] = time.perf_counter() - t0
+    runner.timings["precompile_variants"] = float(counter.count)
+    outer = getattr(runner, "variant_counter", None)
+    if outer is not None:                 # ModelRunner's: late_variants counts from here
+        runner.variants_after_precompile = outer.count
+
+
+__all__ = ["ENABLED", "VariantCounter", "available", "compile_only", "distinct_layer_indices", "distinct_layers",
+           "layer_kind", "precompile"]

@@ -1,0 +1,137 @@
+"""The parallel kernel pre-compile (engine/precompile.py).
+
+On the CPU: the model cut (which layers stand for all), and that both of the dry pass's switches
+(the model cut, compile-only launches) are undone however the pass ends; on a CPU runner the pass
+does nothing. On a GPU (a fresh process with empty Triton and Inductor caches, so that every
+variant really compiles): the pass compiles variants, and capture and warm-up after it compile none.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from pcg_engine.config import EngineConfig
+from pcg_engine.engine import precompile
+from pcg_engine.engine.model_runner import ModelRunner
+from pcg_engine.models.loader import load_model
+
+
+class _A(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(width))
+
+
+def test_distinct_layer_indices_keeps_layer_0_and_the_first_of_each_later_kind():
+    layers = nn.ModuleList([_A(4), _A(4), _A(8), _A(4), _A(8), nn.Linear(2, 2)])
+    assert precompile.distinct_layer_indices(layers) == [0, 1, 2, 5]
+    # layer 0 stands for itself only: it is the one whose norm gets no residual
+    assert precompile.distinct_layer_indices(nn.ModuleList([_A(8), _A(4), _A(4)])) == [0, 1]
+    assert precompile.distinct_layer_indices(nn.ModuleList([_A(4)])) == [0]
+    assert precompile.distinct_layer_indices(nn.ModuleList()) == []
+
+
+@pytest.mark.parametrize("preset, expect", [("tiny-qwen3", [0, 1]), ("tiny-qwen3-moe", [0, 1])])
+def test_distinct_layers_cuts_the_model_and_restores_it(tiny_paths, preset, expect):
+    model = load_model(str(tiny_paths[preset]), "cpu", torch.float32)
+    layers = model.model.layers
+    assert len(layers) > len(expect)
+    ran = []
+    handles = [layer.register_forward_hook(lambda m, i, o, k=k: ran.append(k)) for k, layer in enumerate(layers)]
+    with precompile.distinct_layers(model):
+        assert [id(m) for m in model.model.layers] == [id(layers[i]) for i in expect]
+    assert model.model.layers is layers
+    with pytest.raises(RuntimeError, match="boom"):
+        with precompile.distinct_layers(model):
+            raise RuntimeError("boom")
+    assert model.model.layers is layers
+    for h in handles:
+        h.remove()
+    assert not ran
+
+
+def test_distinct_layers_leaves_a_model_without_layers_whole():
+    model = nn.Linear(2, 2)
+    with precompile.distinct_layers(model) as m:
+        assert m is model
+
+
+def test_compile_only_switches_launches_and_fast_launch_and_restores_them():
+    from triton.runtime.jit import JITFunction
+    from pcg_engine.kernels import fast_launch
+    run, fast = JITFunction.run, fast_launch.ENABLED
+    with precompile.compile_only():
+        assert JITFunction.run is not run and fast_launch.ENABLED is False
+    assert JITFunction.run is run and fast_launch.ENABLED == fast
+    with pytest.raises(ValueError):
+        with precompile.compile_only():
+            raise ValueError("a step failed")
+    assert JITFunction.run is run and fast_launch.ENABLED == fast
+
+
+def test_variant_counter_chains_the_hook_it_replaces_and_puts_it_back():
+    knobs = pytest.importorskip("triton").knobs.runtime
+    seen = []
+    previous = knobs.jit_post_compile_hook
+    knobs.jit_post_compile_hook = lambda *a, **k: seen.append(k)
+    try:
+        outer_hook = knobs.jit_post_compile_hook
+        with precompile.VariantCounter() as counter:
+            knobs.jit_post_compile_hook(key="k1")
+            knobs.jit_post_compile_hook(key="k2")
+        assert counter.count == 2 and seen == [{"key": "k1"}, {"key": "k2"}]
+        assert knobs.jit_post_compile_hook is outer_hook
+    finally:
+        knobs.jit_post_compile_hook = previous
+
+
+def test_no_precompile_on_the_cpu(tiny_paths):
+    path = str(tiny_paths["tiny-qwen3"])
+    config = EngineConfig(model=path, device="cpu", mode="eager", max_num_seqs=4, max_num_batched_tokens=16,
+                          max_model_len=64, num_kv_blocks=8)
+    runner = ModelRunner(config, path, torch.device("cpu"))
+    assert "precompile_s" not in runner.timings and not getattr(runner, "precompiled", False)
+
+
+# ---- on a GPU: capture and warm-up compile nothing after the pass ---------------------------------
+
+_CHILD = """
+import json, sys
+from pcg_engine.llm import LLM
+llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", mode=sys.argv[2], max_num_batched_tokens=256,
+          max_num_seqs=16, max_model_len=2048, max_capture_tokens=64, compile_cache=False, num_kv_blocks=2048)
+from pcg_engine.sampling_params import SamplingParams
+out = llm.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+print("PCG_RESULT " + json.dumps({"timings": llm.engine.runner.timings, "tokens": list(out[0].token_ids)}))
+"""
+
+
+def _start(path, mode, tmp_path, precompile_on: bool) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton-{mode}-{precompile_on}"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{mode}-{precompile_on}"),
+               PCG_PRECOMPILE="1" if precompile_on else "0")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PCG_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("PCG_RESULT "):])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "eager"])
+def test_precompile_leaves_nothing_to_compile_gpu(mode, tiny_paths, tmp_path):
+    path = tiny_paths["tiny-qwen3"]
+    on = _start(path, mode, tmp_path, True)
+    t = on["timings"]
+    assert "precompile_failed" not in t and "warmup_failed" not in t
+    assert t["precompile_variants"] > 0
+    assert t["late_variants"] == 0, f"capture and warm-up compiled {t['late_variants']:.0f} variants after the pass"
+    off = _start(path, mode, tmp_path, False)
+    assert "precompile_s" not in off["timings"]
+    assert on["tokens"] == off["tokens"]
