@@ -6,7 +6,7 @@
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash scripts/gpu_session.sh ... & \
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b M=/tmp/mb HOME=/tmp/hb TORCHINDUCTOR_CACHE_DIR=/tmp/ib bash scripts/gpu_session.sh ...
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
-# modes), p5 (start-up), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p2, p3, p3rates (P3 at higher rates),
+# modes), p5 (start-up), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0), p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice),
@@ -41,6 +41,10 @@ part() {
     load8b) timeout $(lim 90) $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
     p1_8b) timeout $(lim 240) $B latency --model $(model qwen3-8b) --modes eager,full_decode,piecewise,full_and_piecewise --num-iters 2 \
           --warmup-iters 1 --json $OUT/p1_q8b.json 2>&1 | tail -8 ;;
+    p1_8b_graphs) timeout $(lim 200) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise --num-iters 2 \
+          --warmup-iters 1 --json $OUT/p1_q8b_graphs.json 2>&1 | tail -6 ;;
+    prof1_8b) PCG_PDL=${PROF_PDL:-0} timeout $(lim 150) $B profile --model $(model qwen3-8b) --requests 1 --steps 20 --kernel-table \
+          --configs "full graphs + async" --out-dir $OUT/prof1_8b --json $OUT/prof1_8b.json 2>&1 | tail -${PROF1_TAIL:-60} ;;
     p1_nopdl) PCG_PDL=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_nopdl.json 2>&1 | tail -7 ;;   # A/B: kernels/pdl.py
     p1_piece) for i in 1 2; do for v in inductor eager; do   # A/B, alternated: Inductor vs FX pieces (compile/backend.py)

@@ -28,7 +28,7 @@ from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
 from pcg_engine.compile.piecewise import MIN_TRACED_TOKENS, CompiledForward
 from pcg_engine.config import default_buckets, sparse_buckets
-from pcg_engine.engine.precompile import precompile
+from pcg_engine.engine import precompile
 
 COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
 FULL_MODES = ("full_decode", "full_and_piecewise")
@@ -125,38 +125,45 @@ def setup_compiled_modes(runner, progress=None) -> None:
         forward = CompiledForward(runner.model, split=split, graphs=pool if split else None, buckets=buckets)
         runner.forward_fn = forward
         runner.token_buckets = buckets if split else []      # 'compile': every T runs unpadded
-        cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
-        before = inductor_cache_counters()
-        try:
-            with cache_ctx:
-                # Trace and compile at the largest size the runner will graph (Inductor's size hint).
-                trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens,
-                                                                   runner.max_num_tokens), MIN_TRACED_TOKENS)
-                _dummy_forward(runner, forward, trace_tokens)
-            if cache is not None:
-                cache.commit()
-        finally:
-            if cache is not None:
-                cache.close()
-        compile_s = time.perf_counter() - t0
-        after = inductor_cache_counters()
-        stats = forward.stats
-        timings["inductor_s"] = stats.inductor_s
-        # Everything of the compile phase but Inductor: Dynamo's import and trace, the split, the
-        # compile cache's checks.
-        timings["dynamo_s"] = max(compile_s - stats.inductor_s, 0.0)
-        timings["dynamo_traces"] = float(stats.dynamo_traces)
-        timings["inductor_compiles"] = float(stats.inductor_compiles)
-        timings["compiled_pieces"] = float(stats.pieces)
-        timings["inductor_cache_hits"] = float(after["hit"] - before["hit"])
-        timings["inductor_cache_misses"] = float(after["miss"] - before["miss"])
+        construct_s = time.perf_counter() - t0
     else:
         runner.token_buckets = []
     if mode in FULL_MODES:
         runner.full_graphs = FullDecodeGraphs(runner, decode_buckets, pool=pool)   # captured below
-    # Every Triton variant capture and warm-up will launch, compiled in parallel first (a no-op
-    # where there is nothing to compile): engine/precompile.py.
-    precompile(runner, buckets)
+    # Every Triton variant that capture and warm-up will launch, compiled in threads while Dynamo
+    # and Inductor work (engine/precompile.py; None where there is nothing to compile).
+    compiles = precompile.start(runner, buckets)
+
+    try:
+        if mode in COMPILED_MODES:
+            t0 = time.perf_counter()
+            cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
+            before = inductor_cache_counters()
+            try:
+                with cache_ctx:
+                    # Trace and compile at the largest size the runner will graph (Inductor's size hint).
+                    trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens,
+                                                                       runner.max_num_tokens), MIN_TRACED_TOKENS)
+                    _dummy_forward(runner, forward, trace_tokens)
+                if cache is not None:
+                    cache.commit()
+            finally:
+                if cache is not None:
+                    cache.close()
+            compile_s = construct_s + time.perf_counter() - t0
+            after = inductor_cache_counters()
+            stats = forward.stats
+            timings["inductor_s"] = stats.inductor_s
+            # Everything of the compile phase but Inductor: Dynamo's import and trace, the split, the
+            # compile cache's checks.
+            timings["dynamo_s"] = max(compile_s - stats.inductor_s, 0.0)
+            timings["dynamo_traces"] = float(stats.dynamo_traces)
+            timings["inductor_compiles"] = float(stats.inductor_compiles)
+            timings["compiled_pieces"] = float(stats.pieces)
+            timings["inductor_cache_hits"] = float(after["hit"] - before["hit"])
+            timings["inductor_cache_misses"] = float(after["miss"] - before["miss"])
+    finally:
+        precompile.finish(runner, compiles)     # also when the compile fails: no thread or hook left behind
 
     reserved0 = torch.cuda.memory_reserved(runner.device) if cuda else 0
     if cuda and buckets:                # piecewise modes

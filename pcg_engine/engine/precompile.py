@@ -7,11 +7,12 @@ cold start of Qwen3-0.6B in full_and_piecewise spent 12.9 s in capture and 6.1 s
 most of its time outside the GIL (MLIR passes, LLVM, ptxas), so threads compile variants side by
 side: 8 variants on the 2-core dev VM took 12.3-13.6 s in sequence and 6.9-7.7 s in 2 threads.
 
-How: a dry pass over the steps capture and warm-up will run, before them, in which
+How: a dry pass over the steps capture and warm-up will run, before Dynamo and Inductor, in which
   * every launch of a Triton JIT kernel becomes Triton's own `warmup=True` call (compile, do not
     launch), inside Triton's AsyncCompileMode over a thread pool: the call returns at once and the
-    compile runs in a worker. Leaving the mode waits for every compile and puts each kernel into
-    its JIT cache, where the real launches of capture and warm-up then find it;
+    compile runs in a worker. The compiles go on while Dynamo and Inductor work (start()); before
+    capture, finish() waits for them and puts each kernel into its JIT cache, where the real
+    launches of capture and warm-up find it;
   * the model is cut to its distinct layers: layer 0 (its norm has no residual to add) and the
     first later layer of each kind (same module types and parameter shapes). Identical layers make
     identical launches, so two layers of 28 meet every variant at a fraction of the host time;
@@ -27,9 +28,11 @@ expert ids come from torch.topk; the align kernels' outputs feed only the groupe
 garbage stays garbage and never faults. The KV writes are Triton kernels, skipped: the pass writes
 no KV block, only the runner's static input buffers, which every real step rewrites.
 
-Timings (runner.timings): precompile_s; precompile_variants, the kernel variants the pass made
-(compiled, or loaded from Triton's on-disk cache on a warm start); late_variants (ModelRunner's
-VariantCounter), those made after it during start-up: what the pass missed. PCG_PRECOMPILE=0 (read
+Timings (runner.timings): precompile_s, the pass's host time plus precompile_wait_s, finish()'s
+wait for compiles still running when Dynamo and Inductor are done; precompile_variants, the
+variants made meanwhile (compiled, or loaded from Triton's on-disk cache on a warm start);
+late_variants (ModelRunner's VariantCounter), those made after finish() during start-up: what the
+pass missed. PCG_PRECOMPILE=0 (read
 at import) turns the pass off (A/B switch; the engine then starts as before).
 """
 
@@ -180,39 +183,89 @@ def _dry_steps(runner, piecewise_buckets, plan):
         yield eager
 
 
+class _Background:
+    """A running pass's compiles: Triton's AsyncCompileMode, left (new compiles are synchronous
+    again) without waiting for those submitted; finish() waits for them and fills the JIT caches."""
+
+    def __init__(self, AsyncCompileMode, workers: int):
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="pcg-precompile")
+        self.mode = AsyncCompileMode(self.pool)
+        self.counter = VariantCounter()
+
+    def __enter__(self):
+        self.counter.__enter__()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime import _async_compile
+        _async_compile.active_mode.set(None)       # what the mode's own exit does, but the wait
+
+    def finish(self) -> int:
+        """Wait for the compiles; returns the variants made."""
+        try:
+            type(self.mode).__exit__(self.mode, None, None, None)   # waits, then puts each kernel in its cache
+        finally:
+            self.pool.shutdown()
+            self.counter.__exit__(None, None, None)
+        return self.counter.count
+
+
 @torch.inference_mode()
-def precompile(runner, piecewise_buckets=(), workers: int | None = None) -> None:
-    """The dry pass (module docstring). Call after the mode's forward, buckets and runner.full_graphs
-    are set and before anything is captured. Leaves warmup.plan()'s steps in runner.warmup_plan.
-    A failure is a warning: the kernels then compile where they are first launched."""
+def start(runner, piecewise_buckets=(), workers: int | None = None):
+    """Run the dry pass (module docstring); its compiles go on in the background: pass the result
+    to finish() before capture. Call once the mode's buckets and runner.full_graphs are set (the
+    warm-up plan reads them); leaves warmup.plan()'s steps in runner.warmup_plan. None where there
+    is nothing to do. A failure is a warning: kernels then compile where first launched."""
     if getattr(runner, "precompiled", False) or not available(runner):
-        return
+        return None
     runner.precompiled = True
     from pcg_engine.engine import warmup
     from pcg_engine.kernels import argmax
-    AsyncCompileMode = _async_compile_mode()
     t0 = time.perf_counter()
-    workers = workers or min(32, os.cpu_count() or 1)
-    counter = VariantCounter()
+    background = _Background(_async_compile_mode(), workers or min(32, os.cpu_count() or 1))
     try:
         plan = runner.warmup_plan = warmup.plan(runner)
-        with ThreadPoolExecutor(workers, thread_name_prefix="pcg-precompile") as pool, counter:
-            with distinct_layers(runner.model), AsyncCompileMode(pool), compile_only():
-                for step in _dry_steps(runner, piecewise_buckets, plan):
-                    step()
-                lm_head = runner.model.lm_head_weight
-                argmax.warm_up(lm_head.shape[0], lm_head.dtype, runner.device)
-            # leaving AsyncCompileMode waited for every compile and filled the JIT caches
-    except Exception as e:  # a serving engine still starts: the kernels compile on first use
-        warnings.warn(f"kernel pre-compile failed, kernels will compile where first launched: {e!r}")
-        runner.timings["precompile_failed"] = 1.0
-    torch.cuda.synchronize(runner.device)
+        with distinct_layers(runner.model), background, compile_only():
+            for step in _dry_steps(runner, piecewise_buckets, plan):
+                step()
+            lm_head = runner.model.lm_head_weight
+            argmax.warm_up(lm_head.shape[0], lm_head.dtype, runner.device)
+        torch.cuda.synchronize(runner.device)
+    except Exception as e:
+        _failed(runner, e)
+        background.finish()
+        return None
     runner.timings["precompile_s"] = time.perf_counter() - t0
-    runner.timings["precompile_variants"] = float(counter.count)
+    return background
+
+
+def finish(runner, background) -> None:
+    """Wait for start()'s compiles (None: nothing to wait for)."""
+    if background is None:
+        return
+    t0 = time.perf_counter()
+    try:
+        runner.timings["precompile_variants"] = float(background.finish())
+    except Exception as e:
+        _failed(runner, e)
+    wait = time.perf_counter() - t0
+    runner.timings["precompile_wait_s"] = wait
+    runner.timings["precompile_s"] = runner.timings.get("precompile_s", 0.0) + wait
     outer = getattr(runner, "variant_counter", None)
     if outer is not None:                 # ModelRunner's: late_variants counts from here
         runner.variants_after_precompile = outer.count
 
 
+def precompile(runner, piecewise_buckets=(), workers: int | None = None) -> None:
+    """start() and finish() back to back."""
+    finish(runner, start(runner, piecewise_buckets, workers))
+
+
+def _failed(runner, error: Exception) -> None:
+    warnings.warn(f"kernel pre-compile failed, kernels will compile where first launched: {error!r}")
+    runner.timings["precompile_failed"] = 1.0
+
+
 __all__ = ["ENABLED", "VariantCounter", "available", "compile_only", "distinct_layer_indices", "distinct_layers",
-           "layer_kind", "precompile"]
+           "finish", "layer_kind", "precompile", "start"]
