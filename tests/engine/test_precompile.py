@@ -135,3 +135,77 @@ def test_precompile_leaves_nothing_to_compile_gpu(mode, tiny_paths, tmp_path):
     off = _start(path, mode, tmp_path, False)
     assert "precompile_s" not in off["timings"]
     assert on["tokens"] == off["tokens"]
+
+
+# ---- the pass itself, on the CPU (a stand-in for Triton's async compile mode) ---------------------
+
+class _FakeAsyncMode:
+    """Stands in for Triton's AsyncCompileMode: records that the pass entered and left it."""
+    entered = exited = 0
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def __enter__(self):
+        type(self).entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        type(self).exited += 1
+
+
+def _cpu_runner(tiny_paths):
+    path = str(tiny_paths["tiny-qwen3"])
+    config = EngineConfig(model=path, device="cpu", mode="eager", max_num_seqs=4, max_num_batched_tokens=16,
+                          max_model_len=64, num_kv_blocks=8)
+    return ModelRunner(config, path, torch.device("cpu"))
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    _FakeAsyncMode.entered = _FakeAsyncMode.exited = 0
+    monkeypatch.setattr(precompile, "available", lambda runner: True)
+    monkeypatch.setattr(precompile, "_async_compile_mode", lambda: _FakeAsyncMode)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return _FakeAsyncMode
+
+
+def test_the_pass_runs_every_planned_step_on_the_distinct_layers_and_undoes_everything(tiny_paths, fake_triton):
+    from triton.runtime.jit import JITFunction
+    from pcg_engine.engine import warmup
+    from pcg_engine.kernels import fast_launch
+    runner = _cpu_runner(tiny_paths)
+    layers = runner.model.model.layers
+    ran = []
+    for k, layer in enumerate(layers):
+        layer.register_forward_hook(lambda m, i, o, k=k: ran.append(k))
+    run, fast = JITFunction.run, fast_launch.ENABLED
+    precompile.precompile(runner, piecewise_buckets=(4, 8))
+    plan = warmup.plan(runner)
+    # every planned step plus the two buckets, each a forward of layers 0 and 1 only
+    assert runner.warmup_plan == plan and len(plan) >= 1
+    assert len(ran) == 2 * (len(plan) + 2) and set(ran) == {0, 1}
+    assert fake_triton.entered == fake_triton.exited == 1
+    assert runner.model.model.layers is layers and JITFunction.run is run and fast_launch.ENABLED == fast
+    t = runner.timings
+    assert t["precompile_s"] >= t["precompile_wait_s"] >= 0 and "precompile_failed" not in t
+    assert runner.precompiled
+    precompile.precompile(runner)           # once per runner
+    assert fake_triton.entered == 1
+
+
+def test_a_failing_pass_warns_and_leaves_the_runner_as_it_was(tiny_paths, fake_triton, monkeypatch):
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+    runner = _cpu_runner(tiny_paths)
+    layers, run, hook = runner.model.model.layers, JITFunction.run, knobs.runtime.jit_post_compile_hook
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a dry step failed")
+    monkeypatch.setattr(runner.model, "forward", broken)
+    with pytest.warns(UserWarning, match="pre-compile failed"):
+        precompile.precompile(runner)
+    assert runner.timings["precompile_failed"] == 1.0
+    assert fake_triton.entered == fake_triton.exited == 1
+    assert runner.model.model.layers is layers and JITFunction.run is run
+    assert knobs.runtime.jit_post_compile_hook is hook
