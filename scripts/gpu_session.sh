@@ -37,6 +37,10 @@ part() {
     p5) timeout $(lim 200) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json ${P5_ARGS:-} 2>&1 | tail -8 ;;
     p5off) PCG_PRECOMPILE=0 timeout $(lim 200) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise \
           --json $OUT/p5_q06_noprecompile.json ${P5_ARGS:-} 2>&1 | tail -8 ;;   # A/B: engine/precompile.py
+    p5workers) for w in ${P5_WORKERS:-4 8}; do   # the pre-compile's thread count (engine/precompile.py)
+            PCG_PRECOMPILE_WORKERS=$w timeout $(lim 120) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise \
+              --json $OUT/p5_q06_workers$w.json 2>&1 | grep -E "cold|warm" | sed "s/^/workers $w /"
+          done ;;
     precompile) timeout $(lim 240) $T tests/engine/test_precompile.py tests/engine/test_warmup.py 2>&1 | tee $OUT/gpu_precompile.log | tail -15 ;;
     load8b) timeout $(lim 90) $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
     p1_8b) timeout $(lim 240) $B latency --model $(model qwen3-8b) --modes eager,full_decode,piecewise,full_and_piecewise --num-iters 2 \

@@ -33,7 +33,8 @@ wait for compiles still running when Dynamo and Inductor are done; precompile_va
 variants made meanwhile (compiled, or loaded from Triton's on-disk cache on a warm start);
 late_variants (ModelRunner's VariantCounter), those made after finish() during start-up: what the
 pass missed. PCG_PRECOMPILE=0 (read
-at import) turns the pass off (A/B switch; the engine then starts as before).
+at import) turns the pass off (A/B switch; the engine then starts as before); PCG_PRECOMPILE_WORKERS=N sets
+the number of compile threads (default: one per core, at most 32).
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ def start(runner, piecewise_buckets=(), workers: int | None = None):
     from pcg_engine.engine import warmup
     from pcg_engine.kernels import argmax
     t0 = time.perf_counter()
-    background = _Background(_async_compile_mode(), workers or min(32, os.cpu_count() or 1))
+    background = _Background(_async_compile_mode(), workers or default_workers())
     try:
         plan = runner.warmup_plan = warmup.plan(runner)
         with distinct_layers(runner.model), background, compile_only():
@@ -260,6 +261,11 @@ def finish(runner, background) -> None:
 def precompile(runner, piecewise_buckets=(), workers: int | None = None) -> None:
     """start() and finish() back to back."""
     finish(runner, start(runner, piecewise_buckets, workers))
+
+
+def default_workers() -> int:
+    """Compile threads: one per core (at most 32), or PCG_PRECOMPILE_WORKERS (an A/B switch)."""
+    return max(1, int(os.environ.get("PCG_PRECOMPILE_WORKERS", "0")) or min(32, os.cpu_count() or 1))
 
 
 def _failed(runner, error: Exception) -> None:
