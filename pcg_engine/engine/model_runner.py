@@ -16,6 +16,7 @@ After the mode's set-up the runner warms up the kernels (engine/warmup.py, on by
 dummy steps that compile every Triton variant the steps can select, so none compiles mid-serving.
 """
 
+import contextlib
 import time
 
 import torch
@@ -26,7 +27,8 @@ from pcg_engine.attention.op import bind_kv_caches
 from pcg_engine.attention.rope import rope_cache
 from pcg_engine.config import EngineConfig, default_buckets
 from pcg_engine.engine.input_batch import InputBatch, StepInputs
-from pcg_engine.engine.precompile import VariantCounter, precompile
+from pcg_engine.engine import precompile
+from pcg_engine.engine.precompile import VariantCounter
 from pcg_engine.models.loader import load_model
 
 
@@ -83,8 +85,11 @@ class ModelRunner:
         # pre-compile's dry pass, are what it missed.
         self.variant_counter = VariantCounter()
         with self.variant_counter:
-            self._setup_mode(progress)
-            self._warm_up(progress)
+            try:
+                self._setup_mode(progress)
+                self._warm_up(progress)
+            finally:   # compiles begun for the KV sizing that no pass took over (e.g. no warm-up)
+                precompile.finish(self, getattr(self, "precompile_background", None))
         after = getattr(self, "variants_after_precompile", None)
         if after is not None:
             self.timings["late_variants"] = float(self.variant_counter.count - after)
@@ -121,7 +126,11 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         T = self.max_num_tokens
         ids = torch.zeros(T, dtype=torch.long, device=self.device)
-        with torch.inference_mode(), set_forward_context(ForwardContext(None, [], self.backend)):
+        # On a start that compiles Triton kernels, they only compile here, in the background
+        # (engine/precompile.py): the peak is the torch ops' allocations, which run.
+        background = precompile.begin(self)
+        with torch.inference_mode(), set_forward_context(ForwardContext(None, [], self.backend)), \
+                (background.compiling() if background is not None else contextlib.nullcontext()):
             hidden = self.model(ids, ids)
             self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize(self.device)
@@ -152,7 +161,7 @@ class ModelRunner:
             return
         from pcg_engine.engine.warmup import has_jit_kernels, warm_up
         if has_jit_kernels(self):
-            precompile(self)         # eager mode's (the compiled modes ran it before capture)
+            precompile.precompile(self)   # eager mode's (the compiled modes ran it before capture)
             try:
                 warm_up(self, progress)
             except Exception as e:   # a serving engine still starts: the kernels compile on first use

@@ -17,7 +17,9 @@ How: a dry pass over the steps capture and warm-up will run, before Dynamo and I
     first later layer of each kind (same module types and parameter shapes). Identical layers make
     identical launches, so two layers of 28 meet every variant at a fraction of the host time;
   * kernels/fast_launch.py is off: nothing is launched, so nothing may be recorded for replay.
-The steps: the full decode graphs' buckets, run as their capture runs them (the eager model inside
+The KV cache's sizing forward (ModelRunner, before any of this) already runs inside the same
+background compiles: its peak memory is the torch ops', which still run. The steps: the full
+decode graphs' buckets, run as their capture runs them (the eager model inside
 backend.capturing() and pdl.scope()); the piecewise buckets, with the eager model standing in for
 the compiled pieces (their custom ops get the same shapes; a variant this misses still compiles
 at capture, as without this pass); and warmup.plan()'s steps, which warm_up() reuses.
@@ -185,22 +187,24 @@ def _dry_steps(runner, piecewise_buckets, plan):
 
 
 class _Background:
-    """A running pass's compiles: Triton's AsyncCompileMode, left (new compiles are synchronous
-    again) without waiting for those submitted; finish() waits for them and fills the JIT caches."""
+    """The compiles of a start-up: a thread pool, Triton's AsyncCompileMode over it and a
+    VariantCounter from creation to finish(). Inside compiling(), Triton launches submit their
+    compile and launch nothing; leaving it does not wait; finish() waits and fills the JIT caches."""
 
     def __init__(self, AsyncCompileMode, workers: int):
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="pcg-precompile")
         self.mode = AsyncCompileMode(self.pool)
-        self.counter = VariantCounter()
+        self.counter = VariantCounter().__enter__()
 
-    def __enter__(self):
-        self.counter.__enter__()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
+    @contextmanager
+    def compiling(self):
         from triton.runtime import _async_compile
-        _async_compile.active_mode.set(None)       # what the mode's own exit does, but the wait
+        self.mode.__enter__()
+        try:
+            with compile_only():
+                yield
+        finally:
+            _async_compile.active_mode.set(None)   # what the mode's own exit does, but the wait
 
     def finish(self) -> int:
         """Wait for the compiles; returns the variants made."""
@@ -212,22 +216,32 @@ class _Background:
         return self.counter.count
 
 
+def begin(runner, workers: int | None = None):
+    """The runner's background compiles, made on first call (None where there is nothing to
+    compile): ModelRunner's KV-sizing forward runs inside its compiling() (the forward's peak
+    memory is the torch ops', which still run), then start() adds the dry pass."""
+    background = getattr(runner, "precompile_background", None)
+    if background is None and not getattr(runner, "precompiled", False) and available(runner):
+        background = runner.precompile_background = _Background(_async_compile_mode(), workers or default_workers())
+    return background
+
+
 @torch.inference_mode()
 def start(runner, piecewise_buckets=(), workers: int | None = None):
     """Run the dry pass (module docstring); its compiles go on in the background: pass the result
     to finish() before capture. Call once the mode's buckets and runner.full_graphs are set (the
     warm-up plan reads them); leaves warmup.plan()'s steps in runner.warmup_plan. None where there
     is nothing to do. A failure is a warning: kernels then compile where first launched."""
-    if getattr(runner, "precompiled", False) or not available(runner):
+    background = begin(runner, workers)
+    if background is None or getattr(runner, "precompiled", False):
         return None
     runner.precompiled = True
     from pcg_engine.engine import warmup
     from pcg_engine.kernels import argmax
     t0 = time.perf_counter()
-    background = _Background(_async_compile_mode(), workers or default_workers())
     try:
         plan = runner.warmup_plan = warmup.plan(runner)
-        with distinct_layers(runner.model), background, compile_only():
+        with distinct_layers(runner.model), background.compiling():
             for step in _dry_steps(runner, piecewise_buckets, plan):
                 step()
             lm_head = runner.model.lm_head_weight
@@ -235,16 +249,17 @@ def start(runner, piecewise_buckets=(), workers: int | None = None):
         torch.cuda.synchronize(runner.device)
     except Exception as e:
         _failed(runner, e)
-        background.finish()
+        finish(runner, background)
         return None
     runner.timings["precompile_s"] = time.perf_counter() - t0
     return background
 
 
 def finish(runner, background) -> None:
-    """Wait for start()'s compiles (None: nothing to wait for)."""
+    """Wait for the background compiles (None: nothing to wait for)."""
     if background is None:
         return
+    runner.precompile_background = None
     t0 = time.perf_counter()
     try:
         runner.timings["precompile_variants"] = float(background.finish())
@@ -273,5 +288,5 @@ def _failed(runner, error: Exception) -> None:
     runner.timings["precompile_failed"] = 1.0
 
 
-__all__ = ["ENABLED", "VariantCounter", "available", "compile_only", "distinct_layer_indices", "distinct_layers",
+__all__ = ["ENABLED", "VariantCounter", "available", "begin", "compile_only", "distinct_layer_indices", "distinct_layers",
            "finish", "layer_kind", "precompile", "start"]

@@ -209,3 +209,15 @@ def test_a_failing_pass_warns_and_leaves_the_runner_as_it_was(tiny_paths, fake_t
     assert fake_triton.entered == fake_triton.exited == 1
     assert runner.model.model.layers is layers and JITFunction.run is run
     assert knobs.runtime.jit_post_compile_hook is hook
+
+
+def test_one_background_from_the_kv_sizing_to_finish(tiny_paths, fake_triton):
+    runner = _cpu_runner(tiny_paths)
+    first = precompile.begin(runner)
+    assert first is not None and precompile.begin(runner) is first      # the pass takes it over
+    with first.compiling():
+        pass                                                          # the KV sizing's forward
+    assert precompile.start(runner) is first
+    precompile.finish(runner, first)
+    assert runner.precompile_background is None and precompile.begin(runner) is None   # once per runner
+    assert fake_triton.entered == 2 and fake_triton.exited == 1      # entered per use, waited once
