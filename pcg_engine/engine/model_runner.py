@@ -70,29 +70,34 @@ class ModelRunner:
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.max_num_tokens,
                                 device, host_metadata=self.backend.name != "triton")   # torch_backend.py reads them
-        t0 = time.perf_counter()
-        self.num_kv_blocks = self._num_kv_blocks()
-        shape = kv_cache_shape(self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
-        self.timings["kv_cache_s"] = time.perf_counter() - t0    # sizing forward (CUDA) + allocation
-        # Each attention module holds its layer's cache (a buffer: a graph input to the compiled
-        # pieces, at this fixed address for the runner's life). Bound before any trace.
-        bind_kv_caches(self.model, self.kv_caches)
-        self.forward_fn = self.model.forward
+        self.forward_fn = self.model.forward     # the mode's set-up may replace these three
         self.token_buckets: list[int] = []
         self.full_graphs = None
-        # Triton variants made from here on (engine/precompile.py): late_variants, those after the
-        # pre-compile's dry pass, are what it missed.
+        # Triton variants made from here on (engine/precompile.py): late_variants, those made after
+        # the pre-compile's compiles were waited for, are what it missed. The try: compiles begun in
+        # the background (from the KV sizing on) are waited for and their threads ended whatever
+        # happens, also where no pass took them over (no warm-up) or the start-up fails.
         self.variant_counter = VariantCounter()
         with self.variant_counter:
             try:
+                self._allocate_kv_caches()
                 self._setup_mode(progress)
                 self._warm_up(progress)
-            finally:   # compiles begun for the KV sizing that no pass took over (e.g. no warm-up)
+            finally:
                 precompile.finish(self, getattr(self, "precompile_background", None))
         after = getattr(self, "variants_after_precompile", None)
         if after is not None:
             self.timings["late_variants"] = float(self.variant_counter.count - after)
+
+    def _allocate_kv_caches(self) -> None:
+        t0 = time.perf_counter()
+        self.num_kv_blocks = self._num_kv_blocks()
+        shape = kv_cache_shape(self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.timings["kv_cache_s"] = time.perf_counter() - t0    # sizing forward (CUDA) + allocation
+        # Each attention module holds its layer's cache (a buffer: a graph input to the compiled
+        # pieces, at this fixed address for the runner's life). Bound before any trace.
+        bind_kv_caches(self.model, self.kv_caches)
 
     def close(self) -> None:
         """Release the device memory this runner holds (KV cache, graphs and their pool, compiled
@@ -152,12 +157,16 @@ class ModelRunner:
         from pcg_engine.compile.setup import setup_compiled_modes
         setup_compiled_modes(self, progress)
 
+    def warmup_enabled(self) -> bool:
+        """kernel_warmup, whose default (None) is: on CUDA."""
+        enabled = self.config.kernel_warmup
+        return self.device.type == "cuda" if enabled is None else bool(enabled)
+
     def _warm_up(self, progress):
         """Compile every kernel variant now rather than in the middle of the first steps (see
         engine/warmup.py). After the mode's set-up, so the dummy steps take the path real ones will;
         off by default on the CPU, where the torch backend compiles nothing."""
-        enabled = self.config.kernel_warmup
-        if not (self.device.type == "cuda" if enabled is None else enabled):
+        if not self.warmup_enabled():
             return
         from pcg_engine.engine.warmup import has_jit_kernels, warm_up
         if has_jit_kernels(self):

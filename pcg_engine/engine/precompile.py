@@ -70,35 +70,74 @@ def available(runner) -> bool:
 # ---- counting the variants a start-up makes ------------------------------------------------------
 
 class VariantCounter:
-    """Counts Triton JIT variants made (compiled or loaded from the disk cache) while installed, through
-    Triton's jit_post_compile_hook; a hook installed before keeps being called."""
+    """Counts the distinct Triton JIT variants made (compiled, or loaded from the disk cache) while
+    active, through Triton's jit_post_compile_hook. Counters may be entered and left in any order:
+    one module-level hook serves every active counter and forwards to the hook found installed
+    when the first was entered, which is put back when the last leaves (unless someone replaced
+    the hook meanwhile). Distinct by (kernel, key): on Triton 3.6 a variant the dry pass submitted
+    is compiled again by a real launch made before finish() (the trace forward), and finishing
+    calls the hook a second time for it."""
 
     def __init__(self):
-        self.count = 0
-        self._previous = None
-        self._runtime = None
+        self.seen: set = set()
 
-    def __call__(self, *args, **kwargs):
-        self.count += 1
-        if self._previous is not None:
-            return self._previous(*args, **kwargs)
-        return None
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+    def add(self, kwargs: dict) -> None:
+        fn = kwargs.get("fn")
+        self.seen.add((id(getattr(fn, "jit_function", fn)), str(kwargs.get("key"))))
 
     def __enter__(self):
-        try:
-            from triton import knobs
-        except ImportError:
-            return self
-        if hasattr(knobs.runtime, "jit_post_compile_hook"):
-            self._runtime = knobs.runtime
-            self._previous = self._runtime.jit_post_compile_hook
-            self._runtime.jit_post_compile_hook = self
+        _HOOK.activate(self)
         return self
 
     def __exit__(self, *exc):
-        if self._runtime is not None and self._runtime.jit_post_compile_hook is self:
-            self._runtime.jit_post_compile_hook = self._previous
-        self._runtime = None
+        _HOOK.deactivate(self)
+
+
+class _Hook:
+    """The one jit_post_compile_hook of the active VariantCounters."""
+
+    def __init__(self):
+        self.counters: list[VariantCounter] = []
+        self.previous = None
+
+    def __call__(self, *args, **kwargs):
+        for counter in self.counters:
+            counter.add(kwargs)
+        return self.previous(*args, **kwargs) if self.previous is not None else None
+
+    @staticmethod
+    def _runtime():
+        try:
+            from triton import knobs
+        except ImportError:
+            return None
+        return knobs.runtime if hasattr(knobs.runtime, "jit_post_compile_hook") else None
+
+    def activate(self, counter: VariantCounter) -> None:
+        runtime = self._runtime()
+        if runtime is None or counter in self.counters:
+            return
+        if not self.counters:
+            self.previous = runtime.jit_post_compile_hook
+            runtime.jit_post_compile_hook = self
+        self.counters.append(counter)
+
+    def deactivate(self, counter: VariantCounter) -> None:
+        if counter not in self.counters:
+            return
+        self.counters.remove(counter)
+        runtime = self._runtime()
+        if not self.counters and runtime is not None:
+            if runtime.jit_post_compile_hook is self:
+                runtime.jit_post_compile_hook = self.previous
+            self.previous = None
+
+
+_HOOK = _Hook()
 
 
 # ---- the dry pass's two switches ---------------------------------------------------------------
@@ -123,8 +162,8 @@ def compile_only():
 
 
 def layer_kind(layer: torch.nn.Module) -> tuple:
-    """What makes two decoder layers launch the same kernels: their module types and parameter shapes."""
-    return tuple((type(m).__name__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
+    """What makes two decoder layers launch the same kernels: their module types, parameter shapes and dtypes."""
+    return tuple((type(m).__name__, tuple((tuple(p.shape), p.dtype) for p in m.parameters(recurse=False)))
                  for m in layer.modules())
 
 
@@ -240,7 +279,8 @@ def start(runner, piecewise_buckets=(), workers: int | None = None):
     from pcg_engine.kernels import argmax
     t0 = time.perf_counter()
     try:
-        plan = runner.warmup_plan = warmup.plan(runner)
+        # Warm-up off (kernel_warmup=False): nothing but what capture will launch.
+        plan = runner.warmup_plan = warmup.plan(runner) if runner.warmup_enabled() else []
         with distinct_layers(runner.model), background.compiling():
             for step in _dry_steps(runner, piecewise_buckets, plan):
                 step()
@@ -248,6 +288,7 @@ def start(runner, piecewise_buckets=(), workers: int | None = None):
             argmax.warm_up(lm_head.shape[0], lm_head.dtype, runner.device)
         torch.cuda.synchronize(runner.device)
     except Exception as e:
+        runner.timings["precompile_s"] = time.perf_counter() - t0
         _failed(runner, e)
         finish(runner, background)
         return None
@@ -280,7 +321,11 @@ def precompile(runner, piecewise_buckets=(), workers: int | None = None) -> None
 
 def default_workers() -> int:
     """Compile threads: one per core (at most 32), or PCG_PRECOMPILE_WORKERS (an A/B switch)."""
-    return max(1, int(os.environ.get("PCG_PRECOMPILE_WORKERS", "0")) or min(32, os.cpu_count() or 1))
+    try:
+        wanted = int(os.environ.get("PCG_PRECOMPILE_WORKERS", "0"))
+    except ValueError:
+        wanted = 0        # an A/B switch set wrong must not stop the engine from starting
+    return max(1, wanted) if wanted > 0 else min(32, os.cpu_count() or 1)
 
 
 def _failed(runner, error: Exception) -> None:

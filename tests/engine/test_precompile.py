@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,12 +62,21 @@ def test_distinct_layers_leaves_a_model_without_layers_whole():
         assert m is model
 
 
-def test_compile_only_switches_launches_and_fast_launch_and_restores_them():
+def test_compile_only_switches_launches_and_fast_launch_and_restores_them(monkeypatch):
     from triton.runtime.jit import JITFunction
     from pcg_engine.kernels import fast_launch
+    calls = []
+
+    def recording_run(self, *args, grid, warmup, **kwargs):    # stands in for Triton's JIT launch
+        calls.append((self, args, grid, warmup, kwargs))
+        return "kernel"
+    monkeypatch.setattr(JITFunction, "run", recording_run)
     run, fast = JITFunction.run, fast_launch.ENABLED
     with precompile.compile_only():
         assert JITFunction.run is not run and fast_launch.ENABLED is False
+        # what kernel[grid](*args, **kwargs) calls: compile (warmup=True), launch nothing
+        assert JITFunction.run("fn", 1, 2, grid=(3,), warmup=False, BLOCK=4) == "kernel"
+    assert calls == [("fn", (1, 2), (3,), True, {"BLOCK": 4})]
     assert JITFunction.run is run and fast_launch.ENABLED == fast
     with pytest.raises(ValueError):
         with precompile.compile_only():
@@ -74,20 +84,37 @@ def test_compile_only_switches_launches_and_fast_launch_and_restores_them():
     assert JITFunction.run is run and fast_launch.ENABLED == fast
 
 
-def test_variant_counter_chains_the_hook_it_replaces_and_puts_it_back():
-    knobs = pytest.importorskip("triton").knobs.runtime
+def _fake_compile(fn, key):
+    """What Triton passes to jit_post_compile_hook (the keywords counted)."""
+    from triton import knobs
+    knobs.runtime.jit_post_compile_hook(key=key, repr=f"{fn}[{key}]", fn=SimpleNamespace(jit_function=fn),
+                                        compile={"key": key}, is_manual_warmup=False, already_compiled=False)
+
+
+def test_variant_counters_count_distinct_variants_in_any_order_and_put_the_hook_back():
+    from triton import knobs
     seen = []
-    previous = knobs.jit_post_compile_hook
-    knobs.jit_post_compile_hook = lambda *a, **k: seen.append(k)
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def user_hook(*args, **kwargs):
+        seen.append(kwargs["key"])
+    knobs.runtime.jit_post_compile_hook = user_hook
     try:
-        outer_hook = knobs.jit_post_compile_hook
-        with precompile.VariantCounter() as counter:
-            knobs.jit_post_compile_hook(key="k1")
-            knobs.jit_post_compile_hook(key="k2")
-        assert counter.count == 2 and seen == [{"key": "k1"}, {"key": "k2"}]
-        assert knobs.jit_post_compile_hook is outer_hook
+        kernel_a, kernel_b = object(), object()
+        outer = precompile.VariantCounter().__enter__()       # ModelRunner's, entered first
+        inner = precompile.VariantCounter().__enter__()       # the background's
+        _fake_compile(kernel_a, "k1")
+        _fake_compile(kernel_a, "k1")                         # the same variant again (Triton 3.6)
+        _fake_compile(kernel_b, "k1")
+        inner.__exit__(None, None, None)                      # finished first: not last in
+        _fake_compile(kernel_a, "k2")
+        assert inner.count == 2 and outer.count == 3
+        assert knobs.runtime.jit_post_compile_hook is not user_hook
+        outer.__exit__(None, None, None)
+        assert knobs.runtime.jit_post_compile_hook is user_hook
+        assert seen == ["k1", "k1", "k1", "k2"]              # the hook found installed kept being called
     finally:
-        knobs.jit_post_compile_hook = previous
+        knobs.runtime.jit_post_compile_hook = previous
 
 
 def test_no_precompile_on_the_cpu(tiny_paths):
@@ -102,21 +129,28 @@ def test_no_precompile_on_the_cpu(tiny_paths):
 
 _CHILD = """
 import json, sys
+import triton
+from triton.runtime.jit import JITFunction
+hook, run = triton.knobs.runtime.jit_post_compile_hook, JITFunction.run
 from pcg_engine.llm import LLM
-llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", mode=sys.argv[2], max_num_batched_tokens=256,
-          max_num_seqs=16, max_model_len=2048, max_capture_tokens=64, compile_cache=False, num_kv_blocks=2048)
 from pcg_engine.sampling_params import SamplingParams
+sizing = json.loads(sys.argv[3])    # the KV sizing forward runs (inside the background compiles) unless blocks are given
+llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", mode=sys.argv[2], max_num_batched_tokens=256,
+          max_num_seqs=16, max_model_len=2048, max_capture_tokens=64, compile_cache=False,
+          **({"gpu_memory_utilization": 0.3} if sizing else {"num_kv_blocks": 2048}))
+restored = triton.knobs.runtime.jit_post_compile_hook is hook and JITFunction.run is run
 out = llm.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-print("PCG_RESULT " + json.dumps({"timings": llm.engine.runner.timings, "tokens": list(out[0].token_ids)}))
+print("PCG_RESULT " + json.dumps({"timings": llm.engine.runner.timings, "tokens": list(out[0].token_ids),
+                                  "restored": restored}))
 """
 
 
-def _start(path, mode, tmp_path, precompile_on: bool) -> dict:
+def _start(path, mode, tmp_path, precompile_on: bool, sizing: bool) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton-{mode}-{precompile_on}"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{mode}-{precompile_on}"),
                PCG_PRECOMPILE="1" if precompile_on else "0")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode, json.dumps(sizing)], env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PCG_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -124,16 +158,16 @@ def _start(path, mode, tmp_path, precompile_on: bool) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["full_and_piecewise", "eager"])
-def test_precompile_leaves_nothing_to_compile_gpu(mode, tiny_paths, tmp_path):
+@pytest.mark.parametrize("mode, sizing", [("full_and_piecewise", True), ("eager", False)])
+def test_precompile_leaves_nothing_to_compile_gpu(mode, sizing, tiny_paths, tmp_path):
     path = tiny_paths["tiny-qwen3"]
-    on = _start(path, mode, tmp_path, True)
+    on = _start(path, mode, tmp_path, True, sizing)
     t = on["timings"]
     assert "precompile_failed" not in t and "warmup_failed" not in t
-    assert t["precompile_variants"] > 0
+    assert t["precompile_variants"] > 0 and on["restored"]
     assert t["late_variants"] == 0, f"capture and warm-up compiled {t['late_variants']:.0f} variants after the pass"
-    off = _start(path, mode, tmp_path, False)
-    assert "precompile_s" not in off["timings"]
+    off = _start(path, mode, tmp_path, False, sizing)
+    assert "precompile_s" not in off["timings"] and off["restored"]
     assert on["tokens"] == off["tokens"]
 
 
@@ -147,17 +181,25 @@ class _FakeAsyncMode:
         self.executor = executor
 
     def __enter__(self):
+        from triton.runtime import _async_compile
+        if _async_compile.active_mode.get() is not None:
+            raise RuntimeError("Another AsyncCompileMode is already active")    # as Triton's does
+        _async_compile.active_mode.set(self)
         type(self).entered += 1
         return self
 
     def __exit__(self, *exc):
+        from triton.runtime import _async_compile
+        _async_compile.active_mode.set(None)
         type(self).exited += 1
 
 
-def _cpu_runner(tiny_paths):
+def _cpu_runner(tiny_paths, kernel_warmup=True):
+    """kernel_warmup=True: the pass plans the warm-up's steps (on the CPU warm_up itself finds nothing
+    to compile and does not run)."""
     path = str(tiny_paths["tiny-qwen3"])
     config = EngineConfig(model=path, device="cpu", mode="eager", max_num_seqs=4, max_num_batched_tokens=16,
-                          max_model_len=64, num_kv_blocks=8)
+                          max_model_len=64, num_kv_blocks=8, kernel_warmup=kernel_warmup)
     return ModelRunner(config, path, torch.device("cpu"))
 
 
@@ -187,6 +229,8 @@ def test_the_pass_runs_every_planned_step_on_the_distinct_layers_and_undoes_ever
     assert len(ran) == 2 * (len(plan) + 2) and set(ran) == {0, 1}
     assert fake_triton.entered == fake_triton.exited == 1
     assert runner.model.model.layers is layers and JITFunction.run is run and fast_launch.ENABLED == fast
+    from triton.runtime import _async_compile
+    assert _async_compile.active_mode.get() is None
     t = runner.timings
     assert t["precompile_s"] >= t["precompile_wait_s"] >= 0 and "precompile_failed" not in t
     assert runner.precompiled
@@ -197,18 +241,29 @@ def test_the_pass_runs_every_planned_step_on_the_distinct_layers_and_undoes_ever
 def test_a_failing_pass_warns_and_leaves_the_runner_as_it_was(tiny_paths, fake_triton, monkeypatch):
     from triton import knobs
     from triton.runtime.jit import JITFunction
+    from pcg_engine.kernels import fast_launch
     runner = _cpu_runner(tiny_paths)
     layers, run, hook = runner.model.model.layers, JITFunction.run, knobs.runtime.jit_post_compile_hook
+    fast = fast_launch.ENABLED
 
     def broken(*args, **kwargs):
         raise RuntimeError("a dry step failed")
     monkeypatch.setattr(runner.model, "forward", broken)
     with pytest.warns(UserWarning, match="pre-compile failed"):
         precompile.precompile(runner)
-    assert runner.timings["precompile_failed"] == 1.0
+    from triton.runtime import _async_compile
+    assert runner.timings["precompile_failed"] == 1.0 and runner.timings["precompile_s"] > 0
     assert fake_triton.entered == fake_triton.exited == 1
-    assert runner.model.model.layers is layers and JITFunction.run is run
-    assert knobs.runtime.jit_post_compile_hook is hook
+    assert runner.model.model.layers is layers and JITFunction.run is run and fast_launch.ENABLED == fast
+    assert knobs.runtime.jit_post_compile_hook is hook and _async_compile.active_mode.get() is None
+
+
+def test_without_warm_up_the_pass_runs_only_what_capture_will(tiny_paths, fake_triton):
+    runner = _cpu_runner(tiny_paths, kernel_warmup=False)
+    ran = []
+    runner.model.model.layers[0].register_forward_hook(lambda m, i, o: ran.append(1))
+    precompile.precompile(runner, piecewise_buckets=(4, 8, 16))
+    assert runner.warmup_plan == [] and len(ran) == 3
 
 
 def test_one_background_from_the_kv_sizing_to_finish(tiny_paths, fake_triton):
@@ -221,3 +276,21 @@ def test_one_background_from_the_kv_sizing_to_finish(tiny_paths, fake_triton):
     precompile.finish(runner, first)
     assert runner.precompile_background is None and precompile.begin(runner) is None   # once per runner
     assert fake_triton.entered == 2 and fake_triton.exited == 1      # entered per use, waited once
+
+
+def test_a_failed_start_up_ends_the_background_compiles(tiny_paths, fake_triton, monkeypatch):
+    import threading
+    from triton import knobs
+    hook = knobs.runtime.jit_post_compile_hook
+
+    def failing_setup(runner, progress=None):      # compiles begun (as by the KV sizing), then a failure
+        assert precompile.begin(runner) is not None
+        raise RuntimeError("no room for the KV cache")
+    monkeypatch.setattr(ModelRunner, "_setup_mode", failing_setup)
+    path = str(tiny_paths["tiny-qwen3"])
+    config = EngineConfig(model=path, device="cpu", mode="eager", max_num_seqs=4, max_num_batched_tokens=16,
+                          max_model_len=64, num_kv_blocks=8)
+    with pytest.raises(RuntimeError, match="no room"):
+        ModelRunner(config, path, torch.device("cpu"))
+    assert fake_triton.exited == 1 and knobs.runtime.jit_post_compile_hook is hook
+    assert not [t for t in threading.enumerate() if t.name.startswith("pcg-precompile")]
