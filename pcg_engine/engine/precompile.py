@@ -39,9 +39,9 @@ Timings (runner.timings): precompile_s, the pass's host time plus precompile_wai
 wait for compiles still running when Dynamo and Inductor are done; precompile_variants, the
 distinct variants made meanwhile (compiled, or loaded from Triton's on-disk cache on a warm
 start); late_variants (ModelRunner's VariantCounter), those made after finish() during start-up:
-what the pass missed. A/B switches, read at import: PCG_PRECOMPILE=0 turns the pass off (the engine
-then starts as before); PCG_PRECOMPILE_WORKERS=N sets the number of compile threads (default: one
-per core, at most 32).
+what the pass missed. A/B switches: PCG_PRECOMPILE=0 (read at import) turns the pass off (the
+engine then starts as before); PCG_PRECOMPILE_WORKERS=N (read when a pass begins) sets the number of
+compile threads (default: one per core, at most 32).
 """
 
 from __future__ import annotations
