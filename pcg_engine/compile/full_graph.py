@@ -19,6 +19,7 @@ since the Triton backend then holds the raw q, k, v between two ops, which compi
 leave alone.
 """
 
+import contextlib
 import time
 
 import torch
@@ -86,6 +87,21 @@ class FullDecodeGraphs:
         b.seq_lens[:bucket].zero_()
         b.step_block_table[:bucket].zero_()
 
+    def capture_context(self):
+        """What a capture runs inside: the backend's graph policy and PDL (kernels/pdl.py, in the
+        whole-step graphs only: their warm-up runs compile its variants)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.runner.backend.capturing(fuse_rope=self.fuse_rope))
+        stack.enter_context(pdl.scope())
+        return stack
+
+    def dummy_forward(self, bucket: int) -> torch.Tensor:
+        """The forward a bucket's capture records, over its dummy batch, run as it is (the kernel
+        pre-compile's dry pass, engine/precompile.py)."""
+        with self.capture_context():
+            self._dummy_batch(bucket)
+            return self._forward(bucket)
+
     @torch.inference_mode()
     def capture_all(self, progress=None) -> float:
         """Capture every bucket, largest first, into the shared pool; returns seconds spent."""
@@ -93,8 +109,7 @@ class FullDecodeGraphs:
             return 0.0
         t0 = time.perf_counter()
         task = progress.add_task("full decode graphs", total=len(self.buckets)) if progress is not None else None
-        # PDL (kernels/pdl.py) in the whole-step graphs only: their warm-up runs compile its variants.
-        with self.runner.backend.capturing(fuse_rope=self.fuse_rope), pdl.scope():
+        with self.capture_context():
             for bucket in sorted(self.buckets, reverse=True):
                 self._dummy_batch(bucket)
                 graph, out = capture(self.pool, self._forward, bucket, warmups=self.warmups)

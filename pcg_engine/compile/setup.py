@@ -107,6 +107,38 @@ def _open_cache(runner, buckets, decode_buckets):
     return cache, cache.activate()
 
 
+def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets, construct_s: float) -> None:
+    """Dynamo and Inductor: the compiled forward's first run, under the compile cache; records
+    their timings (construct_s: making `forward`, which imports Dynamo)."""
+    config, timings = runner.config, runner.timings
+    t0 = time.perf_counter()
+    cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
+    before = inductor_cache_counters()
+    try:
+        with cache_ctx:
+            # Trace and compile at the largest size the runner will graph (Inductor's size hint).
+            trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens, runner.max_num_tokens),
+                               MIN_TRACED_TOKENS)
+            _dummy_forward(runner, forward, trace_tokens)
+        if cache is not None:
+            cache.commit()
+    finally:
+        if cache is not None:
+            cache.close()
+    compile_s = construct_s + time.perf_counter() - t0
+    after = inductor_cache_counters()
+    stats = forward.stats
+    timings["inductor_s"] = stats.inductor_s
+    # Everything of the compile phase but Inductor: Dynamo's import and trace, the split, the
+    # compile cache's checks.
+    timings["dynamo_s"] = max(compile_s - stats.inductor_s, 0.0)
+    timings["dynamo_traces"] = float(stats.dynamo_traces)
+    timings["inductor_compiles"] = float(stats.inductor_compiles)
+    timings["compiled_pieces"] = float(stats.pieces)
+    timings["inductor_cache_hits"] = float(after["hit"] - before["hit"])
+    timings["inductor_cache_misses"] = float(after["miss"] - before["miss"])
+
+
 @torch.inference_mode()
 def setup_compiled_modes(runner, progress=None) -> None:
     mode, config, timings = runner.mode, runner.config, runner.timings
@@ -136,32 +168,7 @@ def setup_compiled_modes(runner, progress=None) -> None:
 
     try:
         if mode in COMPILED_MODES:
-            t0 = time.perf_counter()
-            cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
-            before = inductor_cache_counters()
-            try:
-                with cache_ctx:
-                    # Trace and compile at the largest size the runner will graph (Inductor's size hint).
-                    trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens,
-                                                                       runner.max_num_tokens), MIN_TRACED_TOKENS)
-                    _dummy_forward(runner, forward, trace_tokens)
-                if cache is not None:
-                    cache.commit()
-            finally:
-                if cache is not None:
-                    cache.close()
-            compile_s = construct_s + time.perf_counter() - t0
-            after = inductor_cache_counters()
-            stats = forward.stats
-            timings["inductor_s"] = stats.inductor_s
-            # Everything of the compile phase but Inductor: Dynamo's import and trace, the split, the
-            # compile cache's checks.
-            timings["dynamo_s"] = max(compile_s - stats.inductor_s, 0.0)
-            timings["dynamo_traces"] = float(stats.dynamo_traces)
-            timings["inductor_compiles"] = float(stats.inductor_compiles)
-            timings["compiled_pieces"] = float(stats.pieces)
-            timings["inductor_cache_hits"] = float(after["hit"] - before["hit"])
-            timings["inductor_cache_misses"] = float(after["miss"] - before["miss"])
+            _trace_and_compile(runner, forward, buckets, decode_buckets, construct_s)
     finally:
         precompile.finish(runner, compiles)     # also when the compile fails: no thread or hook left behind
 

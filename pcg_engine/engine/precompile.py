@@ -205,29 +205,16 @@ def _dry_steps(runner, piecewise_buckets, plan):
     """The pass's steps, as callables: every one a forward of the (cut) eager model."""
     from pcg_engine.compile.setup import _dummy_forward
     from pcg_engine.engine import warmup
-    from pcg_engine.kernels import pdl
-    from pcg_engine.attention.context import ForwardContext, set_forward_context
 
-    graphs = runner.full_graphs
+    graphs, model_forward = runner.full_graphs, runner.model.forward
     if graphs is not None:
-        def full(bucket):
-            with runner.backend.capturing(fuse_rope=graphs.fuse_rope), pdl.scope():
-                graphs._dummy_batch(bucket)
-                graphs._forward(bucket)
         for bucket in sorted(graphs.buckets, reverse=True):
-            yield lambda b=bucket: full(b)
+            yield lambda b=bucket: graphs.dummy_forward(b)
     for bucket in sorted(piecewise_buckets, reverse=True):
-        yield lambda b=bucket: _dummy_forward(runner, runner.model.forward, b)
-    b = runner.batch
+        yield lambda b=bucket: _dummy_forward(runner, model_forward, b)
     for step in plan:
-        if step.path == "full":
-            continue                     # a full-graph bucket: above
-        def eager(s=step):
-            tensors = warmup._fill(runner, s)
-            context = ForwardContext(warmup._host_metadata(s, tensors), runner.kv_caches, runner.backend)
-            with set_forward_context(context):
-                runner.model.forward(b.input_ids[:s.num_tokens], b.positions[:s.num_tokens])
-        yield eager
+        if step.path != "full":          # a full-graph step is a bucket above
+            yield lambda s=step: warmup.run_step(runner, s, forward=model_forward)
 
 
 class _Background:

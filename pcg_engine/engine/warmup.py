@@ -270,7 +270,9 @@ def _fill(runner, step: WarmupStep) -> dict:
 
 
 @torch.inference_mode()
-def run_step(runner, step: WarmupStep) -> None:
+def run_step(runner, step: WarmupStep, forward=None) -> None:
+    """One dummy step on the runner's path (forward: another forward for the non-full paths, as the
+    pre-compile's dry pass runs the eager model)."""
     tensors = _fill(runner, step)
     b = runner.batch
     if step.path == "full":
@@ -279,7 +281,7 @@ def run_step(runner, step: WarmupStep) -> None:
         return
     context = ForwardContext(_host_metadata(step, tensors), runner.kv_caches, runner.backend)
     with set_forward_context(context):
-        runner.forward_fn(b.input_ids[:step.num_tokens], b.positions[:step.num_tokens])
+        (forward or runner.forward_fn)(b.input_ids[:step.num_tokens], b.positions[:step.num_tokens])
 
 
 def has_jit_kernels(runner) -> bool:
