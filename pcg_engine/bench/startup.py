@@ -13,7 +13,8 @@ development machine), so every process recompiled them (7 s of the warm run in b
 bd3267b's profile). The children run with the prefix and without PYTHONDONTWRITEBYTECODE, so the
 warm run sees what an installed package sees. The cold run pays the compiles, as a first start without any bytecode
 would (on a machine whose venv does hold .pyc files, the prefix hides them, so the cold figure is
-the no-bytecode worst case there too).
+the no-bytecode worst case there too). A third run, "cold, bytecode", has empty compile, Inductor and
+Triton caches again but the bytecode the first two left: the first start of an installed package.
 
     pcg bench startup --model qwen3-0.6b --mode full_and_piecewise --json startup.json
 """
@@ -52,13 +53,14 @@ print("PCG_READY " + json.dumps({"timings": {"imports_s": imports_s, **runner.ti
 """
 
 
-def run_once(model: str, config: dict, cache_root: str, profile_path: str | None = None) -> dict:
+def run_once(model: str, config: dict, cache_root: str, profile_path: str | None = None,
+             pycache: str | None = None) -> dict:
     env = dict(os.environ)
     if profile_path:
         env["PCG_STARTUP_PROFILE"] = profile_path
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(cache_root, "triton")
-    env["PYTHONPYCACHEPREFIX"] = os.path.join(cache_root, "pycache")   # see the module docstring
+    env["PYTHONPYCACHEPREFIX"] = pycache or os.path.join(cache_root, "pycache")   # see the module docstring
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     payload = json.dumps({"model": model, "compile_cache_dir": os.path.join(cache_root, "pcg"), **config})
     t0 = time.perf_counter()
@@ -94,17 +96,21 @@ def main(argv=None) -> int:
             os.makedirs(args.profile_dir, exist_ok=True)
         cold = run_once(model, config, root, prof("cold"))
         warm = run_once(model, config, root, prof("warm"))
+        # Empty compile caches again, with the bytecode the two runs left: an installed package's first start.
+        fresh = os.path.join(root, "fresh")
+        os.makedirs(fresh, mode=0o700)
+        cold_bytecode = run_once(model, config, fresh, prof("cold_bytecode"), pycache=os.path.join(root, "pycache"))
     rows = []
     parts = ("imports_s", "device_init_s", "weight_load_s", "kv_cache_s", "dynamo_s", "inductor_s", "precompile_s",
              "capture_s", "warmup_s", "gc_freeze_s")
-    for name, r in (("cold", cold), ("warm", warm)):
+    for name, r in (("cold", cold), ("warm", warm), ("cold, bytecode", cold_bytecode)):
         t = r["timings"]
         other = r["ready_s"] - sum(t.get(k) or 0.0 for k in parts)   # interpreter start, engine objects
         rows.append([name, r["ready_s"], *(t.get(k) for k in parts), other, t.get("graph_pool_mib"),
-                     t.get("late_variants")])
+                     t.get("late_variants"), t.get("saved_trace_loaded")])
     print_table(f"start-up ({cold['mode']})", ["run", "ready s", "imports s", "CUDA init s", "weights s", "KV cache s",
                                                 "dynamo s", "inductor s", "pre-compile s", "capture s", "warm-up s", "gc freeze s",
-                                                "other s", "graph pool MiB", "late variants"], rows)
+                                                "other s", "graph pool MiB", "late variants", "trace loaded"], rows)
     if args.json:
-        write_json(args.json, {"cold": cold, "warm": warm, "config": config, **env_record(model, args.device)})
+        write_json(args.json, {"cold": cold, "warm": warm, "cold_bytecode": cold_bytecode, "config": config, **env_record(model, args.device)})
     return 0

@@ -10,18 +10,20 @@ submodules run eagerly between the pieces; `eager_call` turns each into a direct
 Python kernel, the least host work per layer.
 
 What the counters mean: `dynamo_traces` counts backend invocations (one per Dynamo trace; a second
-one means a retrace), `inductor_compiles` the pieces actually handed to Inductor, `reuses` the
+one means a retrace), `loaded_traces` forwards loaded from a saved trace (`rebuild`), `inductor_compiles` the pieces actually handed to Inductor, `reuses` the
 pieces that took another piece's artifact.
 """
 
 import contextlib
 import operator
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from pcg_engine.compile import saved_trace
 from pcg_engine.compile.split import Submodule, piece_key, split_graph
 from pcg_engine.custom_ops import python_kernel
 
@@ -29,6 +31,7 @@ from pcg_engine.custom_ops import python_kernel
 @dataclass
 class CompileStats:
     dynamo_traces: int = 0
+    loaded_traces: int = 0     # forwards loaded from a saved trace instead (saved_trace.py)
     submodules: int = 0        # pieces + splitting-op submodules of the last trace
     pieces: int = 0            # compiled (non-attention) pieces of the last trace
     splitting_nodes: int = 0   # attention nodes of the last trace
@@ -36,6 +39,11 @@ class CompileStats:
     reuses: int = 0
     inductor_s: float = 0.0    # wall time inside that compiler (the set-up derives dynamo_s from it)
     keys: list = field(default_factory=list)   # piece key of each piece, in order
+
+    @property
+    def set_ups(self) -> int:
+        """Forwards made, traced or loaded: one per runner; a second one means a retrace."""
+        return self.dynamo_traces + self.loaded_traces
 
 
 def inductor_compile(gm: torch.fx.GraphModule, example_inputs):
@@ -177,6 +185,9 @@ class PcgBackend:
         self.split_module: torch.fx.GraphModule | None = None
         self.submodules: list[Submodule] = []
         self.graph: torch.fx.GraphModule | None = None
+        # Set by CompiledForward while saved_trace.trace_and_save traces: pieces are compiled as
+        # standalone artifacts and the result is serializable (saved_trace.py).
+        self.saving = False
 
     def _compile(self, gm, args, key):
         compiled = self.artifacts.get(key)
@@ -184,7 +195,10 @@ class PcgBackend:
             self.stats.reuses += 1
             return compiled
         t0 = time.perf_counter()
-        compiled = self.compile_piece(gm, args)
+        if self.saving:
+            compiled = saved_trace.compile_piece(gm, args)   # callable, and savable
+        else:
+            compiled = self.compile_piece(gm, args)
         self.stats.inductor_s += time.perf_counter() - t0
         self.stats.inductor_compiles += 1
         self.artifacts[key] = compiled
@@ -196,33 +210,82 @@ class PcgBackend:
         fake_mode, fakes = _fake_inputs(gm, example_inputs)
         if not self.split:
             key = piece_key(gm, fakes)
-            self.stats.pieces, self.stats.submodules, self.stats.keys = 1, 1, [key]
             compiled = self._compile(gm, fakes, key)
-            return self.wrap_piece(compiled, 0, key) if self.wrap_piece else compiled
+            return self._saved(self._install(None, [gm], [key], [compiled]), None, [], [key])
         split, subs = split_graph(gm, self.splitting_ops)
+        # Pickled before _install puts the runtime wrappers on it (saved_trace.py).
+        split_state = saved_trace.pickle_split(split) if self.saving else None
         inputs = submodule_inputs(split, subs, fake_mode, fakes)
+        pieces = [s for s in subs if not s.is_splitting_op]
+        keys = [piece_key(sub.graph_module, inputs[sub.name]) for sub in pieces]
+        compiled = [self._compile(sub.graph_module, inputs[sub.name], key) for sub, key in zip(pieces, keys)]
+        self._install(split, subs, keys, compiled)
+        if self.on_split is not None:
+            self.on_split(split, subs, fakes)
+        return self._saved(split, split_state, [(s.name, s.is_splitting_op) for s in subs], keys)
+
+    def _install(self, split, subs, keys, compiled):
+        """The split module (split=None: the one whole-graph piece) with each piece's compiled
+        callable, wrapped by wrap_piece, and each splitting op's eager call, wrapped by
+        wrap_splitting; fills the stats of the trace."""
+        self.stats.keys = list(keys)
+        self.stats.pieces = len(keys)
+        if split is None:
+            self.stats.submodules = 1
+            return self.wrap_piece(compiled[0], 0, keys[0]) if self.wrap_piece else compiled[0]
         self.split_module, self.submodules = split, subs
         self.stats.submodules = len(subs)
         self.stats.splitting_nodes = sum(s.is_splitting_op for s in subs)
-        pieces = [s for s in subs if not s.is_splitting_op]
-        self.stats.pieces = len(pieces)
-        self.stats.keys = []
-        for i, sub in enumerate(pieces):
-            args = inputs[sub.name]
-            key = piece_key(sub.graph_module, args)
-            self.stats.keys.append(key)
-            compiled = self._compile(sub.graph_module, args, key)
-            runner = self.wrap_piece(compiled, i, key) if self.wrap_piece else compiled
-            # The split module's code calls self.<name>(...): an instance attribute shadows the
-            # registered submodule without making the compiled callable an nn.Module.
-            split.__dict__[sub.name] = runner
+        pieces = iter(zip(keys, compiled))
+        i = 0
         for sub in subs:
             if sub.is_splitting_op:
                 run = eager_call(sub.graph_module)
                 split.__dict__[sub.name] = self.wrap_splitting(run) if self.wrap_splitting else run
-        if self.on_split is not None:
-            self.on_split(split, subs, fakes)
+                continue
+            key, fn = next(pieces)
+            # The split module's code calls self.<name>(...): an instance attribute shadows the
+            # registered submodule without making the compiled callable an nn.Module.
+            split.__dict__[sub.name] = self.wrap_piece(fn, i, key) if self.wrap_piece else fn
+            i += 1
         return split
+
+    def _saved(self, module, split_state, subs, keys):
+        """Under saved_trace.trace_and_save: the module as a serializable callable with what
+        `rebuild` needs (the split module's pickle, the submodule order, each distinct piece's
+        Inductor artifact); else the module itself."""
+        if not self.saving:
+            return module
+        state = {"split": split_state, "subs": subs, "keys": keys,
+                 "artifacts": {key: saved_trace.artifact_bytes(self.artifacts[key]) for key in dict.fromkeys(keys)},
+                 "bare_output": {key: bare for key, bare in zip(keys, self._bare_outputs(module, keys))}}
+        return saved_trace.serializable(module, state)
+
+    def _bare_outputs(self, module, keys):
+        """Per piece: does its graph return one value rather than a tuple? (split_module gives a
+        partition with one output a bare return.)"""
+        if module is not self.split_module:
+            return [False] * len(keys)
+        graphs = [s.graph_module for s in self.submodules if not s.is_splitting_op]
+        return [not isinstance(next(iter(reversed(g.graph.nodes))).args[0], (tuple, list)) for g in graphs]
+
+    def rebuild(self, state: dict):
+        """The forward's module from a saved trace's state: the loaded pieces, wrapped as __call__
+        wraps freshly compiled ones. Counts as no Dynamo trace and no Inductor compile; the
+        artifacts' loading time counts as inductor_s."""
+        self.stats.loaded_traces += 1
+        t0 = time.perf_counter()
+        loaded = {key: saved_trace.load_artifact(data, state["bare_output"][key])
+                  for key, data in state["artifacts"].items()}
+        self.stats.inductor_s += time.perf_counter() - t0
+        self.artifacts.update(loaded)
+        compiled = [loaded[key] for key in state["keys"]]
+        if state["split"] is None:
+            return self._install(None, [], state["keys"], compiled)
+        split = pickle.loads(state["split"])
+        subs = [Submodule(name, i, is_op, getattr(split, name)) for i, (name, is_op) in enumerate(state["subs"])]
+        self.graph = None
+        return self._install(split, subs, state["keys"], compiled)
 
     def dump_graph(self, directory) -> list[str]:
         """Write the traced graph, the split graph and every submodule's code; returns the paths."""

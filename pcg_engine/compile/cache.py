@@ -12,7 +12,7 @@ integrity checks, and refusal of directories other users could tamper with.
   <root>/<key>/manifest.json   sha256 and size of every file, written last and atomically
 
 key = sha256(model config, sha256 of pcg_engine/**/*.py, torch/triton/python versions, device,
-dtype, buckets, mode, fuse/kernels). At start an entry with no manifest (an interrupted build), a
+dtype, buckets, mode, fuse/kernels, saved trace on/off). At start an entry with no manifest (an interrupted build), a
 manifest for other fields, a missing, changed or unlisted file is deleted and rebuilt, never used.
 """
 
@@ -27,6 +27,8 @@ import stat
 from pathlib import Path
 
 import torch
+
+from pcg_engine.compile import saved_trace
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -82,6 +84,9 @@ def cache_fields(runner, buckets, decode_buckets) -> dict:
         "mode": runner.mode,
         "fuse": bool(getattr(runner.model, "fused", False)),
         "kernels": bool(getattr(runner.model, "kernels", False)),
+        # An entry with a saved trace holds standalone artifacts, one without Inductor's FX cache:
+        # neither serves the other (compile/saved_trace.py).
+        "saved_trace": saved_trace.enabled(),
     }
 
 

@@ -23,11 +23,14 @@ have had; without it Inductor would use `torch._inductor.config.unbacked_symint_
 T = 0 never reaches the compiled graph (the runner has no empty step); it runs the eager model.
 """
 
+import contextlib
+import functools
+import os
 import time
 
 import torch
 
-from pcg_engine.compile import replay_program
+from pcg_engine.compile import replay_program, saved_trace
 from pcg_engine.compile.backend import PcgBackend
 from pcg_engine.compile.cuda_graph import GraphedPiece, GraphPool
 from pcg_engine.compile.replay_program import RecordingOp, ReplayProgram, Tape
@@ -64,9 +67,16 @@ class CompiledForward:
         self.backend = PcgBackend(splitting_ops=splitting_ops, split=split, wrap_piece=wrap,
                                   wrap_splitting=wrap_op)
         _raise_recompile_limit()
-        self._compiled = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=False)
+        with saved_trace.aot_enabled() if saved_trace.enabled() else contextlib.nullcontext():
+            self._compiled = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=False)
+        self._forward = self._compiled      # what a call after the first runs (a loaded trace: its function)
         self.first_call_s: float | None = None
         self.eager_calls = 0
+        # Set by the set-up before the first call (compile cache on): (path of the cache entry's
+        # saved trace, "load" on a cache hit or "save" on a miss); saved_trace.py.
+        self.saved_trace: tuple | None = None
+        self.saved_trace_loaded = False
+        self.saved_trace_error: str | None = None
 
     @property
     def stats(self):
@@ -80,17 +90,9 @@ class CompiledForward:
         if self.graphs is not None:
             self.graphs.num_tokens = T
         if self.first_call_s is None:
-            # Mark on the trace only: an unbacked dim installs no size guard, so later calls of
-            # any T pass without marks. Separate symbols for the two tensors, as mark_dynamic
-            # gave: nothing in the model combines them outside a custom op, so no equality is
-            # ever needed (a shared shape_id would only add a runtime assert).
-            # (Imported here: the set-up times Dynamo's import as part of the compile.)
-            from torch._dynamo.decorators import mark_unbacked
-            mark_unbacked(input_ids, 0, hint_override=T)
-            mark_unbacked(positions, 0, hint_override=T)
             t0 = time.perf_counter()
             try:
-                out = self._compiled(input_ids, positions)
+                out = self._first_call(input_ids, positions)
             finally:
                 if self.graphs is not None:
                     self.graphs.num_tokens = None
@@ -99,10 +101,43 @@ class CompiledForward:
         if self.programs:
             return self._graphed(input_ids, positions, T)
         try:
-            return self._compiled(input_ids, positions)
+            return self._forward(input_ids, positions)
         finally:
             if self.graphs is not None:
                 self.graphs.num_tokens = None
+
+    def _first_call(self, input_ids, positions):
+        """Dynamo's trace and the backend's compile; or, with a saved trace to load, its load."""
+        path, action = self.saved_trace or (None, None)
+        if action == "load" and os.path.exists(path):
+            try:
+                traced = saved_trace.load(path, self.backend)
+                out = traced(self.model, input_ids, positions)   # checks the guards, once
+            except Exception as e:   # a torch that cannot read it, failing guards: trace instead
+                self.saved_trace_error = f"{type(e).__name__}: {e}"
+                self.backend.artifacts.clear()
+            else:
+                self.saved_trace_loaded = True
+                self._forward = functools.partial(traced.fn, self.model)
+                return out
+        # Mark on the trace only: an unbacked dim installs no size guard, so later calls of any T
+        # pass without marks (and a loaded trace's guards want none). Separate symbols for the
+        # two tensors, as mark_dynamic gave: nothing in the model combines them outside a custom
+        # op, so no equality is ever needed (a shared shape_id would only add a runtime assert).
+        # (Imported here: the set-up times Dynamo's import as part of the compile.)
+        from torch._dynamo.decorators import mark_unbacked
+        T = input_ids.shape[0]
+        mark_unbacked(input_ids, 0, hint_override=T)
+        mark_unbacked(positions, 0, hint_override=T)
+        if action == "save":
+            self.backend.saving = True
+            try:
+                traced = saved_trace.trace_and_save(self._compiled, (input_ids, positions), path)
+            finally:
+                self.backend.saving = False
+            self._forward = functools.partial(traced.fn, self.model)
+            return self._forward(input_ids, positions)
+        return self._compiled(input_ids, positions)
 
     def _graphed(self, input_ids, positions, T):
         """A forward with piecewise graphs: the bucket's replay program if it has one, else the
@@ -118,7 +153,7 @@ class CompiledForward:
         if record:
             pool.tape = Tape()
         try:
-            out = self._compiled(input_ids, positions)
+            out = self._forward(input_ids, positions)
         finally:
             pool.num_tokens = None
             tape, pool.tape = pool.tape, None

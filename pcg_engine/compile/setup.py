@@ -23,6 +23,8 @@ import torch
 
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.metadata import AttentionMetadata
+from pcg_engine.compile import saved_trace
+from pcg_engine.compile.backend import inductor_compile
 from pcg_engine.compile.cache import (CompileCache, cache_fields, inductor_cache_counters, no_cache)
 from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
@@ -113,6 +115,9 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
     config, timings = runner.config, runner.timings
     t0 = time.perf_counter()
     cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
+    if cache is not None and saved_trace.enabled() and forward.backend.compile_piece is inductor_compile:
+        # A hit loads the trace a miss saved into the entry (compile/saved_trace.py).
+        forward.saved_trace = (str(cache.entry / saved_trace.FILE), "load" if cache.state == "hit" else "save")
     before = inductor_cache_counters()
     try:
         with cache_ctx:
@@ -137,6 +142,9 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
     timings["compiled_pieces"] = float(stats.pieces)
     timings["inductor_cache_hits"] = float(after["hit"] - before["hit"])
     timings["inductor_cache_misses"] = float(after["miss"] - before["miss"])
+    timings["saved_trace_loaded"] = 1.0 if forward.saved_trace_loaded else 0.0
+    if forward.saved_trace_error:
+        runner.saved_trace_error = forward.saved_trace_error
 
 
 @torch.inference_mode()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from compile_helpers import make_runner, run_workload
+from pcg_engine.compile import saved_trace
 from pcg_engine.compile.cache import MANIFEST, CompileCache, CompileCacheError, default_cache_root
 
 FIELDS = {"format": 1, "torch": "x", "mode": "piecewise"}
@@ -136,15 +137,67 @@ def _same_as(eager, runner):
     run_workload([eager, runner], check)
 
 
-def test_warm_start_hits_the_cache(tiny_dense, cache_root, dense_piecewise, dense_eager):
+def test_warm_start_loads_the_saved_trace(tiny_dense, cache_root, dense_piecewise, dense_eager):
     assert dense_piecewise.timings["compile_cache_hit"] in (0.0, 1.0)
-    # A new runner is a new model: Dynamo traces it anew, Inductor finds every piece on disk.
+    entry = dense_piecewise.compile_cache.entry
+    manifest = json.loads((entry / MANIFEST).read_text())
+    assert saved_trace.FILE in manifest["files"]         # written before the manifest, covered by it
+    # A new runner is a new model: it loads the trace the first one saved, with its pieces.
     warm = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(cache_root))
     t = warm.timings
-    assert t["compile_cache_hit"] == 1.0
+    assert t["compile_cache_hit"] == 1.0 and t["saved_trace_loaded"] == 1.0
+    assert warm.forward_fn.saved_trace_error is None
+    stats = warm.forward_fn.stats
+    assert stats.dynamo_traces == 0 and stats.inductor_compiles == 0
+    assert stats.pieces == dense_piecewise.forward_fn.stats.pieces and stats.keys == dense_piecewise.forward_fn.stats.keys
+    _same_as(dense_eager, warm)
+
+
+def test_compile_mode_loads_the_saved_trace(tiny_dense, tmp_path, dense_eager):
+    root = tmp_path / "cc"
+    cold = make_runner(tiny_dense, "compile", compile_cache_dir=str(root))
+    assert cold.timings["saved_trace_loaded"] == 0.0
+    warm = make_runner(tiny_dense, "compile", compile_cache_dir=str(root))
+    assert warm.timings["saved_trace_loaded"] == 1.0 and warm.forward_fn.stats.dynamo_traces == 0
+    _same_as(dense_eager, warm)
+
+
+def test_warm_start_without_saved_trace_hits_inductors_cache(tiny_dense, tmp_path, dense_eager, monkeypatch):
+    monkeypatch.setenv(saved_trace.ENV, "0")
+    root = tmp_path / "cc"
+    cold = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    assert not (cold.compile_cache.entry / saved_trace.FILE).exists()
+    # Dynamo traces the new model anew, Inductor finds every piece on disk.
+    warm = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    t = warm.timings
+    assert t["compile_cache_hit"] == 1.0 and t["saved_trace_loaded"] == 0.0
     assert warm.forward_fn.stats.dynamo_traces == 1
     assert t["inductor_cache_hits"] == t["inductor_compiles"] == 3 and t["inductor_cache_misses"] == 0
     _same_as(dense_eager, warm)
+
+
+def test_unreadable_saved_trace_falls_back_to_tracing(tiny_dense, cache_root, dense_piecewise, dense_eager, tmp_path):
+    """A trace file the manifest accepts but this torch cannot read (another release's format):
+    the start traces instead, and says why."""
+    entry = dense_piecewise.compile_cache.entry
+    root = tmp_path / "copy"
+    root.mkdir(mode=0o700)
+    shutil.copytree(entry, root / entry.name)
+    (root / entry.name / saved_trace.FILE).write_bytes(os.urandom(256))
+    again = CompileCache(root, dense_piecewise.compile_cache.fields)
+    assert again.open() == "miss" and "checksum" in again.rejected      # the manifest catches it...
+    again.close()
+    shutil.rmtree(root / entry.name)
+    shutil.copytree(entry, root / entry.name)
+    (root / entry.name / saved_trace.FILE).write_bytes(os.urandom(256))
+    forged = CompileCache(root, dense_piecewise.compile_cache.fields)
+    forged.commit()                                                     # ...unless it was written so
+    runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    t = runner.timings
+    assert t["compile_cache_hit"] == 1.0 and t["saved_trace_loaded"] == 0.0
+    assert runner.forward_fn.saved_trace_error
+    assert runner.forward_fn.stats.dynamo_traces == 1
+    _same_as(dense_eager, runner)
 
 
 def test_corrupt_cache_file_is_detected_and_rebuilt(tiny_dense, cache_root, dense_piecewise, dense_eager, tmp_path):

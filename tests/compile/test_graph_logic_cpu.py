@@ -86,7 +86,7 @@ def test_fake_capture_once_per_piece_and_bucket(fake_graphed, dense_eager):
     finally:
         pool.debug = False
     assert dict(pool.captures) == {(i, b): 1 for i in range(pieces) for b in BUCKETS}
-    assert pool.replays > 0 and fake_graphed.forward_fn.stats.dynamo_traces == 1
+    assert pool.replays > 0 and fake_graphed.forward_fn.stats.set_ups == 1
 
 
 def test_no_graphs_passthrough_and_sizes_off_bucket(fake_graphed):
@@ -122,7 +122,7 @@ def test_replay_programs_on_fake_graphs(tiny_dense, dense_piecewise, dense_eager
         programs = pool.programs
         assert programs and sum(p.runs for p in programs.values()) > 0
         assert all(p.attention is not None and p.graphs == runner.forward_fn.stats.pieces for p in programs.values())
-        assert runner.forward_fn.stats.dynamo_traces == 1
+        assert runner.forward_fn.stats.set_ups == 1
         pieces = list(pool.pieces)
         assert len(pieces) == runner.forward_fn.stats.pieces and all(p.entries for p in pieces)
         pool.release()

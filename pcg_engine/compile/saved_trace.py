@@ -1,0 +1,151 @@
+"""A saved trace: a warm start loads the traced, split and compiled forward instead of tracing it.
+
+Why: with Inductor's code served from the compile cache, Dynamo's trace of the whole model is the
+largest item of a warm start (4.4 of 11.6 s for Qwen3-0.6B on the H200, session 11; 7.3 s on the
+CPU dev machine, session 8), and it repeats the same work every start. torch (2.10 and later)
+can trace a function ahead of time and save the result: `torch.compile(...).aot_compile` keeps
+the FX graph's compiled form, its guards and the bytecode that feeds the graph from the module's
+parameters, provided the backend returns a serializable callable.
+
+  cold start (compile-cache miss)  Dynamo traces through `aot_compile`; the backend compiles each
+                                   distinct piece with `standalone_compile(aot=True)` (Inductor's
+                                   code and its kernels in one blob) and returns a `SavedSplit`:
+                                   the split module, before the runtime wrappers, and those blobs.
+                                   The whole is written to `trace.bin` in the cache entry, so the
+                                   manifest's checksums cover it.
+  warm start (hit)                 `trace.bin` is loaded: no Dynamo trace, no AOTAutograd, no
+                                   Inductor cache lookup. The backend puts the same wrappers (CUDA
+                                   graph pieces, recording ops) around the loaded pieces
+                                   (`PcgBackend.rebuild`).
+
+A load that fails (a torch that cannot read the file) falls back to tracing, with the reason in
+`CompiledForward.saved_trace_error`. PCG_SAVED_TRACE=0 turns the mechanism off (read at each
+set-up): every start traces, as before; the compile cache still serves Inductor's code.
+
+The loaded forward checks Dynamo's guards on its first call only: the runner always passes the
+same two int64 tensors, and the cache key (model config, sources, versions, dtype, buckets)
+already ties the file to this model.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+
+ENV = "PCG_SAVED_TRACE"
+FILE = "trace.bin"
+FORMAT = 1
+
+# The backend that rebuilds the split module while `load` deserializes (deserialization is a
+# classmethod of the saved callable and gets nothing but the bytes).
+_REBUILDING = None
+
+
+def enabled() -> bool:
+    """On unless PCG_SAVED_TRACE=0, on a torch that has it, with Inductor compiling the pieces (the
+    saved pieces are Inductor's: PCG_PIECE_COMPILER=eager, an A/B switch, traces every start)."""
+    return (os.environ.get(ENV, "1") != "0" and os.environ.get("PCG_PIECE_COMPILER", "inductor") == "inductor"
+            and supported())
+
+
+def supported() -> bool:
+    """torch has the AOT trace, its loader and Inductor's standalone compile (2.10 and later)."""
+    try:
+        import torch._dynamo.aot_compile as aot
+        import torch._inductor
+    except ImportError:
+        return False
+    return (hasattr(aot, "aot_compile_fullgraph") and hasattr(torch.compiler, "load_compiled_function")
+            and hasattr(torch._inductor, "standalone_compile") and hasattr(torch._dynamo.config, "enable_aot_compile"))
+
+
+def compile_piece(gm: torch.fx.GraphModule, example_inputs):
+    """Inductor on one piece, as a self-contained artifact that can be written out (`artifact_bytes`)."""
+    from torch._inductor import standalone_compile
+    return standalone_compile(gm, list(example_inputs), dynamic_shapes="from_tracing_context", aot=True)
+
+
+def artifact_bytes(artifact) -> bytes:
+    return artifact.serialize()
+
+
+def load_artifact(data: bytes, bare_output: bool):
+    """A piece's compiled callable from artifact_bytes. A loaded artifact returns its outputs as a
+    list even where the piece's graph returns one bare value (the last piece, the final norm's
+    output), which the fresh artifact unwraps; bare_output restores that."""
+    from torch._inductor.standalone_compile import AOTCompiledArtifact
+    artifact = AOTCompiledArtifact.deserialize(data)
+    if not bare_output:
+        return artifact
+
+    def unwrapped(*args):
+        return artifact(*args)[0]
+    return unwrapped
+
+
+class SavedSplit:
+    """What the backend returns under `aot_compile`: runs the split module (with its wrappers);
+    serializes the state `PcgBackend.rebuild` makes it from again. Dynamo requires a
+    SerializableCallable: `serializable()` registers this class as one when it is first needed
+    (a base class would import Dynamo with this module; the set-up times that import as compile)."""
+
+    def __init__(self, module, state: dict):
+        self.module, self.state = module, state
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn) -> bytes:
+        return pickle.dumps({"format": FORMAT, **fn.state})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes):
+        state = pickle.loads(data)
+        if state.get("format") != FORMAT:
+            raise ValueError(f"saved trace format {state.get('format')!r}, expected {FORMAT}")
+        if _REBUILDING is None:
+            raise RuntimeError("a saved trace is loaded through saved_trace.load(), which names its backend")
+        return cls(_REBUILDING.rebuild(state), state)
+
+
+def serializable(module, state: dict) -> SavedSplit:
+    from torch._dynamo.aot_compile_types import SerializableCallable
+    if not issubclass(SavedSplit, SerializableCallable):
+        SerializableCallable.register(SavedSplit)
+    return SavedSplit(module, state)
+
+
+def pickle_split(split: torch.fx.GraphModule) -> bytes:
+    """The split module as FX pickles it (its code and its submodules' code), taken before the
+    backend installs the runtime wrappers on it."""
+    return pickle.dumps(split)
+
+
+def trace_and_save(compiled, args: tuple, path) -> object:
+    """Trace `compiled` (a torch.compile'd function, made under `aot_enabled()`) on args, write the
+    result to path; returns the loaded-form callable (an AOTCompiledFunction)."""
+    with aot_enabled():
+        traced = compiled.aot_compile((args, {}))
+    tmp = f"{path}.tmp"
+    traced.save_compiled_function(tmp)
+    os.replace(tmp, path)
+    return traced
+
+
+def load(path, backend) -> object:
+    """The AOTCompiledFunction saved at path, its pieces rebuilt by `backend`."""
+    global _REBUILDING
+    _REBUILDING = backend
+    try:
+        with aot_enabled(), open(path, "rb") as f:
+            return torch.compiler.load_compiled_function(f)
+    finally:
+        _REBUILDING = None
+
+
+def aot_enabled():
+    """torch 2.11 has the AOT trace behind a config flag (on by default from 2.13)."""
+    return torch._dynamo.config.patch(enable_aot_compile=True)
