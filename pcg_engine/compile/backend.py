@@ -214,7 +214,8 @@ class PcgBackend:
             return self._saved(self._install(None, [gm], [key], [compiled]), None, [], [key])
         split, subs = split_graph(gm, self.splitting_ops)
         # Pickled before _install puts the runtime wrappers on it (saved_trace.py).
-        split_state = saved_trace.pickle_split(split) if self.saving else None
+        split_state = (saved_trace.pickle_split(split, [s.name for s in subs if not s.is_splitting_op])
+                       if self.saving else None)
         inputs = submodule_inputs(split, subs, fake_mode, fakes)
         pieces = [s for s in subs if not s.is_splitting_op]
         keys = [piece_key(sub.graph_module, inputs[sub.name]) for sub in pieces]
@@ -305,5 +306,6 @@ class PcgBackend:
             keys = iter(self.stats.keys)
             for sub in self.submodules:
                 kind = "splitting op" if sub.is_splitting_op else f"piece key {next(keys)[:16]}"
-                write(f"{sub.index:03d}_{sub.name}.py", f"# {sub.name}: {kind}\n{sub.graph_module.code}")
+                code = getattr(sub.graph_module, "code", "(loaded from a saved trace: Inductor's code only)\n")
+                write(f"{sub.index:03d}_{sub.name}.py", f"# {sub.name}: {kind}\n{code}")
         return written

@@ -12,7 +12,7 @@ integrity checks, and refusal of directories other users could tamper with.
   <root>/<key>/manifest.json   sha256 and size of every file, written last and atomically
 
 key = sha256(model config, sha256 of pcg_engine/**/*.py, torch/triton/python versions, device,
-dtype, buckets, mode, fuse/kernels, saved trace on/off). At start an entry with no manifest (an interrupted build), a
+dtype, buckets, mode, fuse/kernels, saved trace on/off, the PCG_* switches). At start an entry with no manifest (an interrupted build), a
 manifest for other fields, a missing, changed or unlisted file is deleted and rebuilt, never used.
 """
 
@@ -87,7 +87,18 @@ def cache_fields(runner, buckets, decode_buckets) -> dict:
         # An entry with a saved trace holds standalone artifacts, one without Inductor's FX cache:
         # neither serves the other (compile/saved_trace.py).
         "saved_trace": saved_trace.enabled(),
+        # The A/B switches: several decide at trace time what the graph calls (PCG_SKINNY_GEMM,
+        # PCG_FUSED_ROPE_ATTENTION, ...), which a saved trace keeps.
+        "switches": _switches(),
     }
+
+
+# PCG_* variables that change nothing the cache holds (a label, the start-up's own switches).
+_NOT_SWITCHES = {"PCG_COMMIT", "PCG_STARTUP_PROFILE", "PCG_PRECOMPILE", "PCG_PRECOMPILE_WORKERS"}
+
+
+def _switches() -> dict:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PCG_") and k not in _NOT_SWITCHES}
 
 
 def check_private(path: Path) -> None:

@@ -68,7 +68,8 @@ class CompiledForward:
                                   wrap_splitting=wrap_op)
         _raise_recompile_limit()
         with saved_trace.aot_enabled() if saved_trace.enabled() else contextlib.nullcontext():
-            self._compiled = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=False)
+            self._compiled = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=False,
+                                           options={"guard_filter_fn": saved_trace.GUARD_FILTER})
         self._forward = self._compiled      # what a call after the first runs (a loaded trace: its function)
         self.first_call_s: float | None = None
         self.eager_calls = 0
