@@ -31,7 +31,7 @@ import time
 import torch
 
 from pcg_engine.compile import replay_program, saved_trace
-from pcg_engine.compile.backend import PcgBackend
+from pcg_engine.compile.backend import CompileStats, PcgBackend
 from pcg_engine.compile.cuda_graph import GraphedPiece, GraphPool
 from pcg_engine.compile.replay_program import RecordingOp, ReplayProgram, Tape
 
@@ -111,12 +111,13 @@ class CompiledForward:
         """Dynamo's trace and the backend's compile; or, with a saved trace to load, its load."""
         path, action = self.saved_trace or (None, None)
         if action == "load" and os.path.exists(path):
+            pieces_before = len(self.graphs.pieces) if self.graphs is not None else 0
             try:
                 traced = saved_trace.load(path, self.backend)
                 out = traced(self.model, input_ids, positions)   # checks the guards, once
             except Exception as e:   # a torch that cannot read it, failing guards: trace instead
                 self.saved_trace_error = f"{type(e).__name__}: {e}"
-                self.backend.artifacts.clear()
+                self._forget_load(pieces_before)
             else:
                 self.saved_trace_loaded = True
                 self._forward = functools.partial(traced.fn, self.model)
@@ -139,6 +140,16 @@ class CompiledForward:
             self._forward = functools.partial(traced.fn, self.model)
             return self._forward(input_ids, positions)
         return self._compiled(input_ids, positions)
+
+    def _forget_load(self, pieces_before: int) -> None:
+        """After a failed load, nothing of it for the trace that follows: the backend's artifacts,
+        counters and split module, the graphed pieces it registered in the pool."""
+        backend = self.backend
+        backend.artifacts.clear()
+        backend.stats = CompileStats()
+        backend.split_module, backend.submodules = None, []
+        if self.graphs is not None:
+            del self.graphs.pieces[pieces_before:]
 
     def _graphed(self, input_ids, positions, T):
         """A forward with piecewise graphs: the bucket's replay program if it has one, else the

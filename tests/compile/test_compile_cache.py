@@ -176,6 +176,28 @@ def test_warm_start_without_saved_trace_hits_inductors_cache(tiny_dense, tmp_pat
     _same_as(dense_eager, warm)
 
 
+def test_saved_trace_failing_on_its_first_call_falls_back_to_tracing(tiny_dense, cache_root, dense_piecewise,
+                                                                    dense_eager, monkeypatch):
+    """Loaded, rebuilt, then refused on the first call (as failing guards would): the start traces,
+    and nothing of the load is left in the counters or the split module."""
+    real_load = saved_trace.load
+
+    def load_then_refuse(path, backend):
+        real_load(path, backend)          # rebuilds the split module and its wrappers
+
+        def refuse(*args):
+            raise RuntimeError("GuardManager check failed (test)")
+        return refuse
+    monkeypatch.setattr(saved_trace, "load", load_then_refuse)
+    runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(cache_root))
+    forward = runner.forward_fn
+    assert runner.timings["compile_cache_hit"] == 1.0 and runner.timings["saved_trace_loaded"] == 0.0
+    assert "GuardManager check failed (test)" in forward.saved_trace_error
+    assert forward.stats.dynamo_traces == 1 and forward.stats.loaded_traces == 0 and forward.stats.set_ups == 1
+    assert forward.stats.inductor_compiles == 3
+    _same_as(dense_eager, runner)
+
+
 def test_unreadable_saved_trace_falls_back_to_tracing(tiny_dense, cache_root, dense_piecewise, dense_eager, tmp_path):
     """A trace file the manifest accepts but this torch cannot read (another release's format):
     the start traces instead, and says why."""
