@@ -1,14 +1,16 @@
 """The on-disk compile cache: Inductor's own FX-graph cache, pointed at a verified directory per key.
 
-Why Inductor's FX graph cache rather than saving artifacts ourselves: it exists unchanged in every
-torch this project supports, keys each graph by its code, input metadata, Inductor config and
-versions (so an artifact is never applied to a graph it was not built for), and covers the CPU
-(.so) and CUDA (Triton) outputs alike; `standalone_compile`'s save/load differs between releases.
-This file adds what Inductor's cache does not do: one directory per engine configuration,
-integrity checks, and refusal of directories other users could tamper with.
+Two ways to use an entry. By default (compile/saved_trace.py) a start that builds the entry saves
+the whole traced, split and compiled forward in it, and later starts load that file without Dynamo
+or Inductor; the key must then cover every trace-time decision (the PCG_* switches, Inductor's
+TORCHINDUCTOR_* settings). With PCG_SAVED_TRACE=0 the entry is Inductor's own FX graph cache, which
+keys each graph by its code, input metadata, Inductor config and versions. This file adds what
+neither does: one directory per engine configuration, integrity checks, and refusal of
+directories other users could tamper with.
 
   <root>/<key>/inductor/   TORCHINDUCTOR_CACHE_DIR while the set-up compiles
   <root>/<key>/triton/     TRITON_CACHE_DIR likewise
+  <root>/<key>/trace-kv<N>.bin   a saved trace, one per KV-cache size (saved_trace.py)
   <root>/<key>/manifest.json   sha256 and size of every file, written last and atomically
 
 key = sha256(model config, sha256 of pcg_engine/**/*.py, torch/triton/python versions, device,
@@ -88,7 +90,8 @@ def cache_fields(runner, buckets, decode_buckets) -> dict:
         # neither serves the other (compile/saved_trace.py).
         "saved_trace": saved_trace.enabled(),
         # The A/B switches: several decide at trace time what the graph calls (PCG_SKINNY_GEMM,
-        # PCG_FUSED_ROPE_ATTENTION, ...), which a saved trace keeps.
+        # PCG_FUSED_ROPE_ATTENTION, ...), and Inductor's settings decide its code: a saved trace
+        # keeps both.
         "switches": _switches(),
     }
 
@@ -98,7 +101,9 @@ _NOT_SWITCHES = {"PCG_COMMIT", "PCG_STARTUP_PROFILE", "PCG_PRECOMPILE", "PCG_PRE
 
 
 def _switches() -> dict:
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PCG_") and k not in _NOT_SWITCHES}
+    return {k: v for k, v in sorted(os.environ.items())
+            if (k.startswith("PCG_") and k not in _NOT_SWITCHES)
+            or (k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")}
 
 
 def check_private(path: Path) -> None:

@@ -25,8 +25,8 @@ T = 0 never reaches the compiled graph (the runner has no empty step); it runs t
 
 import contextlib
 import functools
-import os
 import time
+import warnings
 
 import torch
 
@@ -69,7 +69,7 @@ class CompiledForward:
         _raise_recompile_limit()
         with saved_trace.aot_enabled() if saved_trace.enabled() else contextlib.nullcontext():
             self._compiled = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=False,
-                                           options={"guard_filter_fn": saved_trace.GUARD_FILTER})
+                                           options={"guard_filter_fn": saved_trace.guard_filter})
         self._forward = self._compiled      # what a call after the first runs (a loaded trace: its function)
         self.first_call_s: float | None = None
         self.eager_calls = 0
@@ -108,20 +108,14 @@ class CompiledForward:
                 self.graphs.num_tokens = None
 
     def _first_call(self, input_ids, positions):
-        """Dynamo's trace and the backend's compile; or, with a saved trace to load, its load."""
+        """Dynamo's trace and the backend's compile; or, with a saved trace to load, its load.
+        A failed load or save warns and the start goes on (compile/saved_trace.py)."""
         path, action = self.saved_trace or (None, None)
-        if action == "load" and os.path.exists(path):
-            pieces_before = len(self.graphs.pieces) if self.graphs is not None else 0
-            try:
-                traced = saved_trace.load(path, self.backend)
-                out = traced(self.model, input_ids, positions)   # checks the guards, once
-            except Exception as e:   # a torch that cannot read it, failing guards: trace instead
-                self.saved_trace_error = f"{type(e).__name__}: {e}"
-                self._forget_load(pieces_before)
-            else:
-                self.saved_trace_loaded = True
-                self._forward = functools.partial(traced.fn, self.model)
+        if action == "load":
+            out = self._load(path, input_ids, positions)
+            if out is not None:
                 return out
+            action = "save"       # a fresh trace replaces the file that failed
         # Mark on the trace only: an unbacked dim installs no size guard, so later calls of any T
         # pass without marks (and a loaded trace's guards want none). Separate symbols for the
         # two tensors, as mark_dynamic gave: nothing in the model combines them outside a custom
@@ -132,18 +126,54 @@ class CompiledForward:
         mark_unbacked(input_ids, 0, hint_override=T)
         mark_unbacked(positions, 0, hint_override=T)
         if action == "save":
-            self.backend.saving = True
-            try:
-                traced = saved_trace.trace_and_save(self._compiled, (input_ids, positions), path)
-            finally:
-                self.backend.saving = False
-            self._forward = functools.partial(traced.fn, self.model)
-            return self._forward(input_ids, positions)
+            traced = self._trace_to_save(path, input_ids, positions)
+            if traced is not None:
+                self._forward = functools.partial(traced.fn, self.model)
+                return self._forward(input_ids, positions)
         return self._compiled(input_ids, positions)
 
+    def _load(self, path, input_ids, positions):
+        """The first forward through the saved trace at path, or None (nothing of it left) when
+        it cannot be loaded or refuses this start's tensors."""
+        pieces_before = len(self.graphs.pieces) if self.graphs is not None else 0
+        try:
+            traced = saved_trace.load(path, self.backend)
+            out = traced(self.model, input_ids, positions)   # checks the guards, once
+        except Exception as e:
+            self._saved_trace_failed(f"saved trace {path} not loaded, tracing instead", e, pieces_before)
+            return None
+        self.saved_trace_loaded = True
+        self._forward = functools.partial(traced.fn, self.model)
+        return out
+
+    def _trace_to_save(self, path, input_ids, positions):
+        """Dynamo's AOT trace, written to path; None when it could not be made (the caller then
+        traces as without a saved trace). A trace that cannot be written is used unsaved."""
+        pieces_before = len(self.graphs.pieces) if self.graphs is not None else 0
+        self.backend.saving = True
+        try:
+            traced = saved_trace.trace(self._compiled, (input_ids, positions))
+        except Exception as e:
+            self._saved_trace_failed("could not trace for a saved trace, tracing without", e, pieces_before)
+            return None
+        finally:
+            self.backend.saving = False
+        try:
+            saved_trace.save(traced, path)
+        except Exception as e:
+            saved_trace.remove(path)
+            self.saved_trace_error = f"not saved: {type(e).__name__}: {e}"
+            warnings.warn(f"saved trace not written to {path}: {e!r}")
+        return traced
+
+    def _saved_trace_failed(self, what: str, error: Exception, pieces_before: int) -> None:
+        self.saved_trace_error = f"{type(error).__name__}: {error}"
+        warnings.warn(f"{what}: {error!r}")
+        self._forget_load(pieces_before)
+
     def _forget_load(self, pieces_before: int) -> None:
-        """After a failed load, nothing of it for the trace that follows: the backend's artifacts,
-        counters and split module, the graphed pieces it registered in the pool."""
+        """After a failed load or AOT trace, nothing of it for the trace that follows: the
+        backend's artifacts, counters and split module, the graphed pieces it registered."""
         backend = self.backend
         backend.artifacts.clear()
         backend.stats = CompileStats()

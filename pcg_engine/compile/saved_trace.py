@@ -11,50 +11,73 @@ parameters, provided the backend returns a serializable callable.
                                    distinct piece with `standalone_compile(aot=True)` (Inductor's
                                    code and its kernels in one blob) and returns a `SavedSplit`:
                                    the split module, before the runtime wrappers, and those blobs.
-                                   The whole is written to `trace.bin` in the cache entry, so the
-                                   manifest's checksums cover it.
-  warm start (hit)                 `trace.bin` is loaded: no Dynamo trace, no AOTAutograd, no
-                                   Inductor cache lookup. The backend puts the same wrappers (CUDA
-                                   graph pieces, recording ops) around the loaded pieces
+                                   The whole is written to the cache entry (`file_name`) before
+                                   the manifest, so the manifest's checksums cover it.
+  warm start (hit)                 The file is loaded: no Dynamo trace, no AOTAutograd, no Inductor
+                                   cache lookup. The backend puts the same wrappers (CUDA graph
+                                   pieces, recording ops) around the loaded pieces
                                    (`PcgBackend.rebuild`).
 
-A load that fails (a torch that cannot read the file) falls back to tracing, with the reason in
-`CompiledForward.saved_trace_error`. PCG_SAVED_TRACE=0 turns the mechanism off (read at each
-set-up): every start traces, as before; the compile cache still serves Inductor's code.
+One file per KV-cache size: the KV caches are graph inputs of fixed shape, and on CUDA their size
+follows the free memory, which can differ between two starts. A hit without the file for this
+start's size traces and adds it to the entry.
+
+Nothing here can stop a start: a save that fails (no disk space, an Inductor with its caches
+disabled) leaves no file and the start goes on with what it traced; a load that fails (a guard
+refusing this start's tensors: another device; torch's compatibility check) warns, traces, and
+saves a fresh file in its place. The reason is kept in `CompiledForward.saved_trace_error`.
+PCG_SAVED_TRACE=0 turns the mechanism off (read at each set-up): every start traces, as before;
+the compile cache then serves Inductor's code only.
+
+What the cache key must cover, because a loaded trace keeps every decision made while tracing:
+model config, sources, versions, dtype, buckets, mode, the PCG_* switches and Inductor's
+TORCHINDUCTOR_* settings (cache.py). Settings changed in-process (`torch._inductor.config.x = ...`)
+are not covered: set them through the environment, or turn the saved trace off.
 
 Guards: the compiled forward keeps Dynamo's tensor guards on its inputs and buffers only
-(`GUARD_FILTER`), traced or loaded: the model's parameters never change shape, dtype or device
-under a runner, and the cache key (model config, sources, versions, dtype, buckets) already ties
-a saved trace to this model. Building, saving and loading the guards on ~300 parameters cost a
-warm start ~0.5 s. The loaded forward checks them on its first call only.
+(`guard_filter`), traced or loaded: the model's parameters never change shape, dtype or device
+under a runner, and the cache key ties a saved trace to the model. Building, saving and loading the
+guards on ~300 parameters cost a warm start ~0.5 s. A loaded forward checks them on its first call;
+after that, as after a save, the forward runs Dynamo's bytecode without a guard check (the runner
+always passes slices of the same two int64 buffers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import threading
 
 import torch
 
 ENV = "PCG_SAVED_TRACE"
-FILE = "trace.bin"
 FORMAT = 1
 
-# The backend that rebuilds the split module while `load` deserializes (deserialization is a
-# classmethod of the saved callable and gets nothing but the bytes).
-_REBUILDING = None
+# The backend that rebuilds the split module while `load` deserializes in this thread
+# (deserialization is a classmethod of the saved callable and gets nothing but the bytes).
+_loading = threading.local()
 
 
-def GUARD_FILTER(entries):
+def file_name(num_kv_blocks: int) -> str:
+    return f"trace-kv{num_kv_blocks}.bin"
+
+
+def guard_filter(entries):
     """Dynamo's guard filter for the compiled forward (see the module docstring)."""
     return torch.compiler.keep_tensor_guards_unsafe(entries, keep_parameters=False)
 
 
 def enabled() -> bool:
     """On unless PCG_SAVED_TRACE=0, on a torch that has it, with Inductor compiling the pieces (the
-    saved pieces are Inductor's: PCG_PIECE_COMPILER=eager, an A/B switch, traces every start)."""
-    return (os.environ.get(ENV, "1") != "0" and os.environ.get("PCG_PIECE_COMPILER", "inductor") == "inductor"
-            and supported())
+    saved pieces are Inductor's: PCG_PIECE_COMPILER=eager, an A/B switch, traces every start) and
+    its caches allowed (torch refuses an AOT trace under force_disable_caches)."""
+    if os.environ.get(ENV, "1") == "0" or os.environ.get("PCG_PIECE_COMPILER", "inductor") != "inductor":
+        return False
+    if not supported():
+        return False
+    import torch._inductor.config
+    return not torch._inductor.config.force_disable_caches
 
 
 def supported() -> bool:
@@ -106,6 +129,8 @@ class SavedSplit:
 
     @classmethod
     def serialize_compile_artifacts(cls, fn) -> bytes:
+        if fn.state is None:
+            raise RuntimeError("this forward was loaded or already saved: its pieces' bytes are gone")
         return pickle.dumps({"format": FORMAT, **fn.state})
 
     @classmethod
@@ -113,9 +138,10 @@ class SavedSplit:
         state = pickle.loads(data)
         if state.get("format") != FORMAT:
             raise ValueError(f"saved trace format {state.get('format')!r}, expected {FORMAT}")
-        if _REBUILDING is None:
+        backend = getattr(_loading, "backend", None)
+        if backend is None:
             raise RuntimeError("a saved trace is loaded through saved_trace.load(), which names its backend")
-        return cls(_REBUILDING.rebuild(state), state)
+        return cls(backend.rebuild(state), None)     # the bytes have served: not kept
 
 
 def serializable(module, state: dict) -> SavedSplit:
@@ -139,26 +165,42 @@ def pickle_split(split: torch.fx.GraphModule, pieces) -> bytes:
         split._modules.update(saved)
 
 
-def trace_and_save(compiled, args: tuple, path) -> object:
-    """Trace `compiled` (a torch.compile'd function, made under `aot_enabled()`) on args, write the
-    result to path; returns the loaded-form callable (an AOTCompiledFunction)."""
+def trace(compiled, args: tuple):
+    """Dynamo's AOT trace of `compiled` (a torch.compile'd function, made under `aot_enabled()`) on
+    args, the backend compiling as it goes: an AOTCompiledFunction, called as fn(self, *args)."""
     with aot_enabled():
-        traced = compiled.aot_compile((args, {}))
+        return compiled.aot_compile((args, {}))
+
+
+def save(traced, path) -> None:
+    """Write a traced forward to path (atomically: a crash leaves no partial file under that name),
+    then drop the serialized pieces its SavedSplit held for this."""
     tmp = f"{path}.tmp"
-    traced.save_compiled_function(tmp)
-    os.replace(tmp, path)
-    return traced
+    try:
+        traced.save_compiled_function(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    split = getattr(getattr(traced, "_artifacts", None), "compiled_fn", None)
+    if isinstance(split, SavedSplit):
+        split.state = None
 
 
-def load(path, backend) -> object:
+def remove(path) -> None:
+    for name in (path, f"{path}.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(name)
+
+
+def load(path, backend):
     """The AOTCompiledFunction saved at path, its pieces rebuilt by `backend`."""
-    global _REBUILDING
-    _REBUILDING = backend
+    _loading.backend = backend
     try:
         with aot_enabled(), open(path, "rb") as f:
             return torch.compiler.load_compiled_function(f)
     finally:
-        _REBUILDING = None
+        _loading.backend = None
 
 
 def aot_enabled():

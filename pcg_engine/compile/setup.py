@@ -116,8 +116,10 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
     t0 = time.perf_counter()
     cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
     if cache is not None and saved_trace.enabled() and forward.backend.compile_piece is inductor_compile:
-        # A hit loads the trace a miss saved into the entry (compile/saved_trace.py).
-        forward.saved_trace = (str(cache.entry / saved_trace.FILE), "load" if cache.state == "hit" else "save")
+        # A hit loads the trace an earlier start saved into the entry for this KV-cache size; else
+        # this start saves one (compile/saved_trace.py).
+        path = cache.entry / saved_trace.file_name(runner.num_kv_blocks)
+        forward.saved_trace = (str(path), "load" if cache.state == "hit" and path.exists() else "save")
     before = inductor_cache_counters()
     try:
         with cache_ctx:

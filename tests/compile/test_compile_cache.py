@@ -141,7 +141,8 @@ def test_warm_start_loads_the_saved_trace(tiny_dense, cache_root, dense_piecewis
     assert dense_piecewise.timings["compile_cache_hit"] in (0.0, 1.0)
     entry = dense_piecewise.compile_cache.entry
     manifest = json.loads((entry / MANIFEST).read_text())
-    assert saved_trace.FILE in manifest["files"]         # written before the manifest, covered by it
+    # written before the manifest, covered by it
+    assert saved_trace.file_name(dense_piecewise.num_kv_blocks) in manifest["files"]
     # A new runner is a new model: it loads the trace the first one saved, with its pieces.
     warm = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(cache_root))
     t = warm.timings
@@ -166,7 +167,7 @@ def test_warm_start_without_saved_trace_hits_inductors_cache(tiny_dense, tmp_pat
     monkeypatch.setenv(saved_trace.ENV, "0")
     root = tmp_path / "cc"
     cold = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
-    assert not (cold.compile_cache.entry / saved_trace.FILE).exists()
+    assert not any(p.name.startswith("trace-") for p in cold.compile_cache.entry.iterdir())
     # Dynamo traces the new model anew, Inductor finds every piece on disk.
     warm = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
     t = warm.timings
@@ -189,7 +190,8 @@ def test_saved_trace_failing_on_its_first_call_falls_back_to_tracing(tiny_dense,
             raise RuntimeError("GuardManager check failed (test)")
         return refuse
     monkeypatch.setattr(saved_trace, "load", load_then_refuse)
-    runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(cache_root))
+    with pytest.warns(UserWarning, match="GuardManager check failed"):
+        runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(cache_root))
     forward = runner.forward_fn
     assert runner.timings["compile_cache_hit"] == 1.0 and runner.timings["saved_trace_loaded"] == 0.0
     assert "GuardManager check failed (test)" in forward.saved_trace_error
@@ -200,27 +202,93 @@ def test_saved_trace_failing_on_its_first_call_falls_back_to_tracing(tiny_dense,
 
 def test_unreadable_saved_trace_falls_back_to_tracing(tiny_dense, cache_root, dense_piecewise, dense_eager, tmp_path):
     """A trace file the manifest accepts but this torch cannot read (another release's format):
-    the start traces instead, and says why."""
+    the start warns, traces instead, and saves a fresh file that the next start loads."""
     entry = dense_piecewise.compile_cache.entry
+    name = saved_trace.file_name(dense_piecewise.num_kv_blocks)
     root = tmp_path / "copy"
     root.mkdir(mode=0o700)
     shutil.copytree(entry, root / entry.name)
-    (root / entry.name / saved_trace.FILE).write_bytes(os.urandom(256))
+    (root / entry.name / name).write_bytes(os.urandom(256))
     again = CompileCache(root, dense_piecewise.compile_cache.fields)
     assert again.open() == "miss" and "checksum" in again.rejected      # the manifest catches it...
     again.close()
     shutil.rmtree(root / entry.name)
     shutil.copytree(entry, root / entry.name)
-    (root / entry.name / saved_trace.FILE).write_bytes(os.urandom(256))
+    (root / entry.name / name).write_bytes(os.urandom(256))
     forged = CompileCache(root, dense_piecewise.compile_cache.fields)
     forged.commit()                                                     # ...unless it was written so
-    runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    with pytest.warns(UserWarning, match="not loaded, tracing instead"):
+        runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
     t = runner.timings
     assert t["compile_cache_hit"] == 1.0 and t["saved_trace_loaded"] == 0.0
     assert runner.forward_fn.saved_trace_error
-    assert runner.forward_fn.stats.dynamo_traces == 1
+    assert runner.forward_fn.stats.dynamo_traces == 1 and runner.forward_fn.stats.set_ups == 1
+    _same_as(dense_eager, runner)
+    repaired = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    assert repaired.timings["saved_trace_loaded"] == 1.0 and repaired.forward_fn.saved_trace_error is None
+    _same_as(dense_eager, repaired)
+
+
+def test_failed_save_does_not_stop_the_start(tiny_dense, tmp_path, dense_eager, monkeypatch):
+    """A trace that cannot be written (a full disk) is used unsaved; the entry is still committed,
+    without a trace file, and the next start saves one."""
+    def no_space(traced, path):
+        open(f"{path}.tmp", "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(saved_trace, "save", no_space)
+    root = tmp_path / "cc"
+    with pytest.warns(UserWarning, match="saved trace not written"):
+        cold = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    forward = cold.forward_fn
+    assert "No space left" in forward.saved_trace_error and forward.stats.set_ups == 1
+    assert not any(p.name.startswith("trace-") for p in cold.compile_cache.entry.iterdir())
+    assert CompileCache(root, cold.compile_cache.fields).verify() is None
+    _same_as(dense_eager, cold)
+    monkeypatch.undo()
+    second = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    assert second.timings["compile_cache_hit"] == 1.0 and second.timings["saved_trace_loaded"] == 0.0
+    assert (second.compile_cache.entry / saved_trace.file_name(second.num_kv_blocks)).exists()
+    third = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    assert third.timings["saved_trace_loaded"] == 1.0
+    _same_as(dense_eager, third)
+
+
+def test_failed_aot_trace_falls_back_to_a_plain_trace(tiny_dense, tmp_path, dense_eager, monkeypatch):
+    def refuse(compiled, args):
+        raise RuntimeError("cannot precompile (test)")
+    monkeypatch.setattr(saved_trace, "trace", refuse)
+    with pytest.warns(UserWarning, match="cannot precompile"):
+        runner = make_runner(tiny_dense, "compile", compile_cache_dir=str(tmp_path / "cc"))
+    assert runner.forward_fn.stats.set_ups == 1 and "cannot precompile" in runner.forward_fn.saved_trace_error
     _same_as(dense_eager, runner)
 
+
+def test_each_kv_cache_size_gets_its_own_saved_trace(tiny_dense, tmp_path, dense_eager):
+    """The KV caches are graph inputs of fixed shape: a start with another size (on CUDA it follows
+    the free memory) must not load a trace made for the first; it adds its own to the entry."""
+    root = tmp_path / "cc"
+    first = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, num_kv_blocks=64, compile_cache_dir=str(root))
+    other = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, num_kv_blocks=48, compile_cache_dir=str(root))
+    assert other.timings["compile_cache_hit"] == 1.0 and other.timings["saved_trace_loaded"] == 0.0
+    assert other.forward_fn.saved_trace_error is None
+    names = set(json.loads((other.compile_cache.entry / MANIFEST).read_text())["files"])
+    assert {saved_trace.file_name(64), saved_trace.file_name(48)} <= names
+    _same_as(dense_eager, other)
+    for blocks in (64, 48):
+        runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, num_kv_blocks=blocks,
+                             compile_cache_dir=str(root))
+        assert runner.timings["saved_trace_loaded"] == 1.0
+    assert first.compile_cache.entry == other.compile_cache.entry
+
+
+def test_saved_trace_off_where_inductor_caches_are(monkeypatch):
+    import torch._inductor.config as inductor_config
+    assert saved_trace.enabled()
+    with inductor_config.patch(force_disable_caches=True):    # an alias: monkeypatch cannot restore it
+        assert not saved_trace.enabled()
+    assert saved_trace.enabled()
+    monkeypatch.setenv(saved_trace.ENV, "0")
+    assert not saved_trace.enabled()
 
 def test_corrupt_cache_file_is_detected_and_rebuilt(tiny_dense, cache_root, dense_piecewise, dense_eager, tmp_path):
     entry = dense_piecewise.compile_cache.entry
