@@ -9,7 +9,7 @@
 # modes), p5 (start-up), p5notrace (p5 with PCG_SAVED_TRACE=0), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0), p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
-# p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice),
+# p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep).
@@ -57,6 +57,11 @@ part() {
             PCG_PIECE_COMPILER=$v timeout $(lim 100) \
               $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} --num-iters 2 --warmup-iters 1 \
               --json $OUT/p1_q06_piece_$v-$i.json 2>&1 | grep -E "piecewise|mode" | sed "s/^/$v /"
+          done; done ;;
+    p1_trace) for i in 1 2; do for v in 0 1; do   # A/B, alternated: piecewise P1 without / with the saved trace (compile/saved_trace.py)
+            PCG_SAVED_TRACE=$v timeout $(lim 100) \
+              $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} --num-iters 2 --warmup-iters 1 \
+              --json $OUT/p1_q06_trace$v-$i.json 2>&1 | grep -E "piecewise|mode" | sed "s/^/trace=$v /"
           done; done ;;
     prof1) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 1 --steps 20 --kernel-table \
           --configs "${PROF1_CONFIGS:-full graphs + async,piecewise + async}" --out-dir $OUT/prof1${PROF1_TAG:-} \
