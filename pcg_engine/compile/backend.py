@@ -185,7 +185,7 @@ class PcgBackend:
         self.split_module: torch.fx.GraphModule | None = None
         self.submodules: list[Submodule] = []
         self.graph: torch.fx.GraphModule | None = None
-        # Set by CompiledForward while saved_trace.trace_and_save traces: pieces are compiled as
+        # Set by CompiledForward while saved_trace.trace runs: pieces are compiled as
         # standalone artifacts and the result is serializable (saved_trace.py).
         self.saving = False
 
@@ -211,7 +211,7 @@ class PcgBackend:
         if not self.split:
             key = piece_key(gm, fakes)
             compiled = self._compile(gm, fakes, key)
-            return self._saved(self._install(None, [gm], [key], [compiled]), None, [], [key])
+            return self._saved(self._install(None, [], [key], [compiled]), None, [], [key])
         split, subs = split_graph(gm, self.splitting_ops)
         # Pickled before _install puts the runtime wrappers on it (saved_trace.py).
         split_state = (saved_trace.pickle_split(split, [s.name for s in subs if not s.is_splitting_op])
@@ -252,7 +252,7 @@ class PcgBackend:
         return split
 
     def _saved(self, module, split_state, subs, keys):
-        """Under saved_trace.trace_and_save: the module as a serializable callable with what
+        """While saved_trace.trace traces (self.saving): the module as a serializable callable with what
         `rebuild` needs (the split module's pickle, the submodule order, each distinct piece's
         Inductor artifact); else the module itself."""
         if not self.saving:
