@@ -10,8 +10,9 @@ submodules run eagerly between the pieces; `eager_call` turns each into a direct
 Python kernel, the least host work per layer.
 
 What the counters mean: `dynamo_traces` counts backend invocations (one per Dynamo trace; a second
-one means a retrace), `loaded_traces` forwards loaded from a saved trace (`rebuild`), `inductor_compiles` the pieces actually handed to Inductor, `reuses` the
-pieces that took another piece's artifact.
+one means a retrace), `loaded_traces` forwards loaded from a saved trace (`rebuild`),
+`inductor_compiles` the pieces actually handed to Inductor, `reuses` the pieces that took another
+piece's artifact.
 """
 
 import contextlib
@@ -135,6 +136,12 @@ def _fake_inputs(gm, example_inputs):
     return fake_mode, fakes
 
 
+def _returns_bare_value(gm: torch.fx.GraphModule) -> bool:
+    """Does the graph return one value rather than a tuple? (split_module gives a partition with
+    one output a bare return; Dynamo's whole graph always returns a tuple.)"""
+    return not isinstance(next(iter(reversed(gm.graph.nodes))).args[0], (tuple, list))
+
+
 class EagerOp:
     """A splitting-op submodule run as a direct call of the op's Python kernel (see eager_call).
     `target` is the op, `kernel` its Python kernel, `pick` orders the submodule's inputs as the
@@ -211,19 +218,19 @@ class PcgBackend:
         if not self.split:
             key = piece_key(gm, fakes)
             compiled = self._compile(gm, fakes, key)
-            return self._saved(self._install(None, [], [key], [compiled]), None, [], [key])
+            return self._saved(self._install(None, [], [key], [compiled]), None, [], [key], [False])
         split, subs = split_graph(gm, self.splitting_ops)
-        # Pickled before _install puts the runtime wrappers on it (saved_trace.py).
-        split_state = (saved_trace.pickle_split(split, [s.name for s in subs if not s.is_splitting_op])
-                       if self.saving else None)
-        inputs = submodule_inputs(split, subs, fake_mode, fakes)
         pieces = [s for s in subs if not s.is_splitting_op]
+        # Pickled before _install puts the runtime wrappers on it (saved_trace.py).
+        split_state = saved_trace.pickle_split(split, [s.name for s in pieces]) if self.saving else None
+        inputs = submodule_inputs(split, subs, fake_mode, fakes)
         keys = [piece_key(sub.graph_module, inputs[sub.name]) for sub in pieces]
         compiled = [self._compile(sub.graph_module, inputs[sub.name], key) for sub, key in zip(pieces, keys)]
         self._install(split, subs, keys, compiled)
         if self.on_split is not None:
             self.on_split(split, subs, fakes)
-        return self._saved(split, split_state, [(s.name, s.is_splitting_op) for s in subs], keys)
+        return self._saved(split, split_state, [(s.name, s.is_splitting_op) for s in subs], keys,
+                           [_returns_bare_value(s.graph_module) for s in pieces])
 
     def _install(self, split, subs, keys, compiled):
         """The split module (split=None: the one whole-graph piece) with each piece's compiled
@@ -251,24 +258,16 @@ class PcgBackend:
             i += 1
         return split
 
-    def _saved(self, module, split_state, subs, keys):
-        """While saved_trace.trace traces (self.saving): the module as a serializable callable with what
-        `rebuild` needs (the split module's pickle, the submodule order, each distinct piece's
-        Inductor artifact); else the module itself."""
+    def _saved(self, module, split_state, subs, keys, bare):
+        """While saved_trace.trace traces (self.saving): the module as a serializable callable with
+        what `rebuild` needs (the split module's pickle, the submodule order, each distinct piece's
+        Inductor artifact and whether its graph returns one bare value); else the module itself."""
         if not self.saving:
             return module
         state = {"split": split_state, "subs": subs, "keys": keys,
                  "artifacts": {key: saved_trace.artifact_bytes(self.artifacts[key]) for key in dict.fromkeys(keys)},
-                 "bare_output": {key: bare for key, bare in zip(keys, self._bare_outputs(module, keys))}}
+                 "bare_output": dict(zip(keys, bare))}
         return saved_trace.serializable(module, state)
-
-    def _bare_outputs(self, module, keys):
-        """Per piece: does its graph return one value rather than a tuple? (split_module gives a
-        partition with one output a bare return.)"""
-        if module is not self.split_module:
-            return [False] * len(keys)
-        graphs = [s.graph_module for s in self.submodules if not s.is_splitting_op]
-        return [not isinstance(next(iter(reversed(g.graph.nodes))).args[0], (tuple, list)) for g in graphs]
 
     def rebuild(self, state: dict):
         """The forward's module from a saved trace's state: the loaded pieces, wrapped as __call__

@@ -1,4 +1,4 @@
-"""The on-disk compile cache: Inductor's own FX-graph cache, pointed at a verified directory per key.
+"""The on-disk compile cache: a verified, private directory per engine configuration.
 
 Two ways to use an entry. By default (compile/saved_trace.py) a start that builds the entry saves
 the whole traced, split and compiled forward in it, and later starts load that file without Dynamo
@@ -14,8 +14,9 @@ directories other users could tamper with.
   <root>/<key>/manifest.json   sha256 and size of every file, written last and atomically
 
 key = sha256(model config, sha256 of pcg_engine/**/*.py, torch/triton/python versions, device,
-dtype, buckets, mode, fuse/kernels, saved trace on/off, the PCG_* switches). At start an entry with no manifest (an interrupted build), a
-manifest for other fields, a missing, changed or unlisted file is deleted and rebuilt, never used.
+dtype, buckets, mode, fuse/kernels, saved trace on/off, the PCG_* and TORCHINDUCTOR_* settings). At
+start an entry with no manifest (an interrupted build), a manifest for other fields, a missing,
+changed or unlisted file is deleted and rebuilt, never used.
 """
 
 import contextlib

@@ -111,8 +111,10 @@ class CompiledForward:
         """Dynamo's trace and the backend's compile; or, with a saved trace to load, its load.
         A failed load or save warns and the start goes on (compile/saved_trace.py)."""
         path, action = self.saved_trace or (None, None)
+        # A failed attempt removes the graphed pieces it registered, from here on (_forget_load).
+        pieces_before = len(self.graphs.pieces) if self.graphs is not None else 0
         if action == "load":
-            out = self._load(path, input_ids, positions)
+            out = self._load(path, input_ids, positions, pieces_before)
             if out is not None:
                 return out
             action = "save"       # a fresh trace replaces the file that failed
@@ -126,16 +128,15 @@ class CompiledForward:
         mark_unbacked(input_ids, 0, hint_override=T)
         mark_unbacked(positions, 0, hint_override=T)
         if action == "save":
-            traced = self._trace_to_save(path, input_ids, positions)
+            traced = self._trace_to_save(path, input_ids, positions, pieces_before)
             if traced is not None:
                 self._forward = functools.partial(traced.fn, self.model)
                 return self._forward(input_ids, positions)
         return self._compiled(input_ids, positions)
 
-    def _load(self, path, input_ids, positions):
+    def _load(self, path, input_ids, positions, pieces_before: int):
         """The first forward through the saved trace at path, or None (nothing of it left) when
         it cannot be loaded or refuses this start's tensors."""
-        pieces_before = len(self.graphs.pieces) if self.graphs is not None else 0
         try:
             traced = saved_trace.load(path, self.backend)
             out = traced(self.model, input_ids, positions)   # checks the guards, once
@@ -146,10 +147,9 @@ class CompiledForward:
         self._forward = functools.partial(traced.fn, self.model)
         return out
 
-    def _trace_to_save(self, path, input_ids, positions):
+    def _trace_to_save(self, path, input_ids, positions, pieces_before: int):
         """Dynamo's AOT trace, written to path; None when it could not be made (the caller then
         traces as without a saved trace). A trace that cannot be written is used unsaved."""
-        pieces_before = len(self.graphs.pieces) if self.graphs is not None else 0
         self.backend.saving = True
         try:
             traced = saved_trace.trace(self._compiled, (input_ids, positions))

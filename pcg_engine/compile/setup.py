@@ -24,7 +24,6 @@ import torch
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.compile import saved_trace
-from pcg_engine.compile.backend import inductor_compile
 from pcg_engine.compile.cache import (CompileCache, cache_fields, inductor_cache_counters, no_cache)
 from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
@@ -115,7 +114,7 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
     config, timings = runner.config, runner.timings
     t0 = time.perf_counter()
     cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
-    if cache is not None and saved_trace.enabled() and forward.backend.compile_piece is inductor_compile:
+    if cache is not None and saved_trace.enabled():
         # A hit loads the trace an earlier start saved into the entry for this KV-cache size; else
         # this start saves one (compile/saved_trace.py).
         path = cache.entry / saved_trace.file_name(runner.num_kv_blocks)
