@@ -17,6 +17,13 @@ grows with the number of graphs already in the pool shows in the quarters. Varia
   keep_graph   CUDAGraph(keep_graph=True): capture_end without instantiate, instantiate timed alone
   own_pool     each graph in a pool of its own (is the shared pool's size the cost?)
 
+With --engine MODEL, the engine's own captures are timed instead: compile/cuda_graph.capture (which
+the piece graphs and the full decode graphs both call) is replaced by an instrumented copy, an LLM
+is built in full_and_piecewise twice (the second start finds the compile caches warm), once with
+capture as it is and once with torch.cuda.synchronize() before each capture_begin (timed apart:
+a begin that waits for the GPU's queue moves into the sync), and with the engine alive the stand-in
+variants above run again (is it the engine's state that makes a begin slow?).
+
 GPU only. Prints one table (µs a capture, by phase and by quarter of the captures) and writes JSON.
 """
 
@@ -112,6 +119,86 @@ def run_variant(name: str, n: int, tokens: int, hidden: int) -> dict:
     return row
 
 
+def _instrumented_capture(records: list, synced: bool):
+    """compile/cuda_graph.capture with each phase timed into records (one dict a capture)."""
+    def capture_timed(pool, fn, *args, warmups: int = 1):
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(pool.device)
+        pool.stream.wait_stream(current)
+        with torch.cuda.stream(pool.stream):
+            t0 = time.perf_counter()
+            for _ in range(warmups):
+                fn(*args)
+            t1 = time.perf_counter()
+            if synced:
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            graph.capture_begin(pool=pool.pool)
+            t3 = time.perf_counter()
+            try:
+                outputs = fn(*args)
+            finally:
+                t4 = time.perf_counter()
+                graph.capture_end()
+            t5 = time.perf_counter()
+        current.wait_stream(pool.stream)
+        records.append({"kind": "full" if warmups > 1 else "piece", "warmup": t1 - t0, "sync": t2 - t1,
+                        "begin": t3 - t2, "run": t4 - t3, "end": t5 - t4})
+        return graph, outputs
+    return capture_timed
+
+
+def run_engine(model: str, synced: bool) -> dict:
+    from pcg_engine.compile import cuda_graph, full_graph
+    from pcg_engine.llm import LLM
+    records: list = []
+    original = cuda_graph.capture
+    cuda_graph.capture = full_graph.capture = _instrumented_capture(records, synced)
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(model, mode="full_and_piecewise")
+        build_s = time.perf_counter() - t0
+    finally:
+        cuda_graph.capture = full_graph.capture = original
+    timings = dict(llm.engine.runner.timings)
+    row = {"variant": f"engine {'synced' if synced else 'as is'}", "build_s": build_s,
+           "capture_s": timings.get("capture_s"), "saved_trace_loaded": timings.get("saved_trace_loaded")}
+    for kind in ("piece", "full"):
+        rs = [r for r in records if r["kind"] == kind]
+        row[kind] = {"captures": len(rs), **{f"{k}_ms_total": 1e3 * sum(r[k] for r in rs)
+                                             for k in ("warmup", "sync", "begin", "run", "end")}}
+        row[kind]["begin_ms_max"] = 1e3 * max((r["begin"] for r in rs), default=0.0)
+    return row, llm
+
+
+def main_engine(args) -> int:
+    rows = []
+    for synced in (False, True):
+        row, llm = run_engine(args.engine, synced)
+        rows.append(row)
+        if synced:   # the stand-in's captures with this engine alive
+            rows.append({"alive": [run_variant(v, 100, args.tokens, args.hidden) for v in ("engine", "synced", "no_warmup")]})
+        llm.close()
+        del llm
+    for r in rows:
+        if "alive" in r:
+            for a in r["alive"]:
+                print(f"  stand-in {a['variant']:10} with the engine alive: begin {a.get('begin_us', float('nan')):.0f} µs, "
+                      f"end {a.get('end_us', float('nan')):.0f} µs, total {a['total_us']:.0f} µs")
+            continue
+        print(f"{r['variant']}: build {r['build_s']:.2f} s, capture_s {r['capture_s']:.2f} (trace loaded {r['saved_trace_loaded']})")
+        for kind in ("piece", "full"):
+            k = r[kind]
+            print(f"  {kind:5} {k['captures']:4} captures, ms in total: warm-up {k['warmup_ms_total']:.0f}, "
+                  f"sync {k['sync_ms_total']:.0f}, begin {k['begin_ms_total']:.0f} (max {k['begin_ms_max']:.1f}), "
+                  f"run {k['run_ms_total']:.0f}, end {k['end_ms_total']:.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "capture_engine", "model": args.engine, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--graphs", type=int, default=400)
@@ -119,9 +206,12 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--variants", default="engine,no_warmup,synced,thread_local,relaxed,keep_graph,own_pool")
     p.add_argument("--json", default=None)
+    p.add_argument("--engine", default=None, metavar="MODEL", help="time the engine's captures (module docstring)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_capture.py needs a CUDA device")
+    if args.engine:
+        return main_engine(args)
     # One untimed round first: lazy module loading, cuBLAS handles, the allocator's first segments.
     run_variant("engine", 20, args.tokens, args.hidden)
     rows = [run_variant(v.strip(), args.graphs, args.tokens, args.hidden) for v in args.variants.split(",")]

@@ -13,7 +13,7 @@
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep),
-# capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), p5prof (p5 with cProfile text per run).
+# capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PCG_COMMIT=${PCG_COMMIT:-unknown}
@@ -107,6 +107,7 @@ part() {
           done ;;
     skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
     capture) timeout $(lim 120) python3 scripts/bench_capture.py ${CAPTURE_ARGS:-} --json $OUT/capture.json 2>&1 | tail -12 ;;
+    capture_engine) timeout $(lim 200) python3 scripts/bench_capture.py --engine $(model qwen3-0.6b) --json $OUT/capture_engine.json 2>&1 | tail -14 ;;
     p5prof) timeout $(lim 240) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06_prof.json \
           --profile-dir $OUT/p5prof 2>&1 | tail -9 ;;   # p5 with a cProfile of each run (cold.txt, warm.txt, ...)
     kernels) timeout $(lim 150) python3 scripts/bench_kernels.py ${KERNELS_ARGS:-} --json $OUT/kernels.json 2>&1 | tail -30 ;;
