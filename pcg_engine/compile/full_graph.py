@@ -20,6 +20,7 @@ leave alone.
 """
 
 import contextlib
+import os
 import time
 
 import torch
@@ -28,6 +29,20 @@ from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.compile.cuda_graph import GraphPool, capture
 from pcg_engine.kernels import pdl
+
+# Warm-up forwards before each bucket's capture (compile/cuda_graph.capture). One makes every lazy
+# thing happen outside the capture (stream workspaces, module loads, PDL variants; the kernels are
+# compiled by then, engine/precompile.py). The second that session 1 ran bought nothing and cost
+# ~14 ms of host a bucket (35 buckets): a whole eager forward launched through Triton's JIT path
+# (scripts/bench_capture.py --engine, session 12). PCG_FULL_GRAPH_WARMUPS=N (read at import) for A/B runs.
+def _warmups_switch() -> int:
+    try:
+        return max(1, int(os.environ.get("PCG_FULL_GRAPH_WARMUPS", "1")))
+    except ValueError:   # an A/B switch set wrong must not stop the engine from starting
+        return 1
+
+
+DEFAULT_WARMUPS = _warmups_switch()
 
 
 def default_decode_buckets(max_num_seqs: int) -> list[int]:
@@ -39,7 +54,7 @@ def default_decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class FullDecodeGraphs:
-    def __init__(self, runner, buckets=None, pool: GraphPool | None = None, forward=None, warmups: int = 2):
+    def __init__(self, runner, buckets=None, pool: GraphPool | None = None, forward=None, warmups: int = DEFAULT_WARMUPS):
         if not getattr(runner.backend, "cuda_graph_safe", False):
             raise ValueError(f"full decode graphs need a graph-safe attention backend; {runner.backend.name!r} "
                              "reads host values per step (use attention_backend='triton' or mode 'piecewise')")
