@@ -32,9 +32,11 @@ from pcg_engine.kernels import pdl
 
 # Warm-up forwards before each bucket's capture (compile/cuda_graph.capture). One makes every lazy
 # thing happen outside the capture (stream workspaces, module loads, PDL variants; the kernels are
-# compiled by then, engine/precompile.py). The second that session 1 ran bought nothing and cost
-# ~14 ms of host a bucket (35 buckets): a whole eager forward launched through Triton's JIT path
-# (scripts/bench_capture.py --engine, session 12). PCG_FULL_GRAPH_WARMUPS=N (read at import) for A/B runs.
+# compiled by then, engine/precompile.py). Session 1 ran two, before the pre-compile pass existed;
+# each is a whole eager forward launched through Triton's JIT path, ~14 ms of host a bucket
+# (scripts/bench_capture.py --engine). One instead of two: P5 capture -1.05 s warm, -0.86 s cold,
+# the GPU graph tests unchanged (docs/PERF.md, session 12). PCG_FULL_GRAPH_WARMUPS=N (read at
+# import) for A/B runs.
 def _warmups_switch() -> int:
     try:
         return max(1, int(os.environ.get("PCG_FULL_GRAPH_WARMUPS", "1")))
