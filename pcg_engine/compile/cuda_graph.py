@@ -6,6 +6,13 @@ bucket size warms the piece up and records it into a `torch.cuda.CUDAGraph`; aft
 that size replays the graph. Any other size, any call outside a capture pass for a size without a
 graph, and anything on the CPU runs the compiled piece directly.
 
+Warm-ups: identical layers share one compiled piece (the backend's piece key), so at a bucket the
+27 middle pieces of Qwen3-0.6B run the same code on the same shapes, with other weights. What a
+warm-up is for (compiles, per-stream workspaces, lazy module loads: see `capture`) depends on the
+code and the shapes only, so the first piece of a key warms up at a bucket and the others of that
+key are captured straight away (`GraphPool.warmed`). Measured before this (session 12,
+scripts/bench_capture.py --engine): 406 piece warm-ups, 0.41 s of a warm start's capture.
+
 Why replays need no input copies: piece 0 reads views of the runner's static buffers
 (`batch.input_ids[:T]`, same address every step), and every later piece reads outputs of the piece
 before it or the attention output it allocated, all of which live in graph-owned memory that the
@@ -50,6 +57,8 @@ class GraphPool:
         self.tape = None
         self.programs: dict = {}
         self.pieces: list = []               # every GraphedPiece of this pool (release() empties them)
+        self.warmed: set = set()             # (piece key, bucket) already warmed up (module docstring)
+        self.warmups = 0                     # piece warm-ups run by captures
 
     @contextlib.contextmanager
     def capture_phase(self):
@@ -163,9 +172,10 @@ class _Entry:
 class GraphedPiece:
     """A compiled piece with one CUDA graph per bucket of the runtime token count."""
 
-    def __init__(self, compiled, index: int, pool: GraphPool, buckets):
+    def __init__(self, compiled, index: int, pool: GraphPool, buckets, key=None):
         self.compiled = compiled
         self.index = index
+        self.key = key             # the backend's piece key: pieces with one key run the same code
         self.pool = pool
         self.buckets = set(buckets)
         self.entries: dict[int, _Entry] = {}
@@ -191,7 +201,12 @@ class GraphedPiece:
             pool.tape.other()
         if not (pool.capturing and T in self.buckets):
             return self.compiled(*args)
-        graph, outputs = capture(pool, self.compiled, *args)
+        warm = self.key is None or (self.key, T) not in pool.warmed
+        graph, outputs = capture(pool, self.compiled, *args, warmups=1 if warm else 0)
+        if warm:
+            pool.warmups += 1
+            if self.key is not None:
+                pool.warmed.add((self.key, T))
         graph.replay()  # capture only records: produce this dummy forward's real outputs
         kept = outputs if pool.strong_outputs else _map(non_owning, outputs)
         self.entries[T] = _Entry(graph, kept, _pointers(args))

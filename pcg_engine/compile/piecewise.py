@@ -57,7 +57,7 @@ class CompiledForward:
         wrap = wrap_op = None
         if graphs is not None and graphs.enabled:
             def wrap(compiled, index, key):
-                return GraphedPiece(compiled, index, graphs, buckets)
+                return GraphedPiece(compiled, index, graphs, buckets, key)
             if replay_program.ENABLED:
                 def wrap_op(op):
                     return RecordingOp(op, graphs)

@@ -39,7 +39,11 @@ class FakeGraph:
                 old.copy_(value)
 
 
+CAPTURE_CALLS = []   # (fn, warmups) of every fake capture, in order
+
+
 def fake_capture(pool, fn, *args, warmups=1):
+    CAPTURE_CALLS.append((fn, warmups))
     for _ in range(warmups):
         fn(*args)
     outputs = fn(*args)
@@ -54,6 +58,7 @@ def _fake_graphed_runner(tiny_dense, dense_piecewise):
     pool.enabled = True
     mp = pytest.MonkeyPatch()
     mp.setattr(cuda_graph, "capture", fake_capture)
+    CAPTURE_CALLS.clear()
     try:
         forward = CompiledForward(runner.model, split=True, graphs=pool, buckets=BUCKETS)
         runner.forward_fn, runner.token_buckets, runner.graph_pool = forward, BUCKETS, pool
@@ -87,6 +92,26 @@ def test_fake_capture_once_per_piece_and_bucket(fake_graphed, dense_eager):
         pool.debug = False
     assert dict(pool.captures) == {(i, b): 1 for i in range(pieces) for b in BUCKETS}
     assert pool.replays > 0 and fake_graphed.forward_fn.stats.set_ups == 1
+
+
+def test_one_warm_up_per_piece_key_and_bucket(fake_graphed, dense_eager):
+    """Pieces that share a key (identical layers: one compiled callable) warm up once a bucket,
+    the first of them; the others are captured with no warm-up (cuda_graph.py's docstring), and
+    the graphs still replay what eager computes (test above)."""
+    pool, keys = fake_graphed.graph_pool, fake_graphed.forward_fn.stats.keys
+    assert len(set(keys)) < len(keys)                       # the middle layers share one key
+    calls = CAPTURE_CALLS[-len(keys) * len(BUCKETS):]       # the capture pass's, of this runner
+    assert len(calls) == len(keys) * len(BUCKETS) and {w for _, w in calls} == {0, 1}
+    by_fn = {}
+    for fn, warmups in calls:
+        by_fn.setdefault(id(fn), []).append(warmups)
+    assert len(by_fn) == len(set(keys))
+    for warmups in by_fn.values():     # per compiled callable: one warm-up a bucket, the first call
+        assert sum(warmups) == len(BUCKETS)
+        per_bucket = len(warmups) // len(BUCKETS)
+        assert all(warmups[i] == (i % per_bucket == 0) for i in range(len(warmups)))
+    assert pool.warmups == len(BUCKETS) * len(set(keys))
+    assert pool.warmed == {(k, b) for k in keys for b in BUCKETS}
 
 
 def test_no_graphs_passthrough_and_sizes_off_bucket(fake_graphed):
