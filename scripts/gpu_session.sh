@@ -5,7 +5,8 @@
 # On a two-GPU machine two lists can run side by side, each on its own GPU, models and caches:
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash scripts/gpu_session.sh ... & \
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b M=/tmp/mb HOME=/tmp/hb TORCHINDUCTOR_CACHE_DIR=/tmp/ib bash scripts/gpu_session.sh ...
-# Parts: graphs (gpu tests of tests/compile), tests (every other gpu test), p1 (latency, 0.6B, all
+# Parts: graphs (gpu tests of tests/compile), tests (every other gpu test: ~155 tests, ~5 min on one H200;
+# at most 400 s here, TESTS= narrows it), p1 (latency, 0.6B, all
 # modes), p5 (start-up), p5notrace (p5 with PCG_SAVED_TRACE=0), p5warm2 (p5 with PCG_FULL_GRAPH_WARMUPS=2), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0), p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
@@ -30,7 +31,7 @@ lim() { local left=$((DEADLINE - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 
 part() {
   case "$1" in
     graphs) timeout $(lim 250) $T tests/compile ${GRAPHS_K:+-k "$GRAPHS_K"} 2>&1 | tee $OUT/gpu_graphs.log | tail -25 ;;
-    tests) timeout $(lim 240) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
+    tests) timeout $(lim 400) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
     p1) timeout $(lim 180) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-eager,full_decode,piecewise,full_and_piecewise} \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06${P1_TAG:-}.json 2>&1 | tail -12 ;;
     p1_noskinny) PCG_SKINNY_GEMM=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
