@@ -161,8 +161,10 @@ def test_full_decode_graph_logic(tiny_dense, dense_eager, monkeypatch):
     pool = cuda_graph.GraphPool(torch.device("cpu"))
     pool.enabled = True
     graphs = full_graph.FullDecodeGraphs(runner, [1, 2, 4, 8], pool=pool)
+    CAPTURE_CALLS.clear()
     graphs.capture_all()
     assert graphs.captures == {1: 1, 2: 1, 4: 1, 8: 1}
+    assert [w for _, w in CAPTURE_CALLS] == [full_graph.DEFAULT_WARMUPS] * 4   # one warm-up a bucket by default
     assert [graphs.bucket_for(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     meta = graphs.metadata(4)
     assert (meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (4, 4, 1, runner.max_model_len)
@@ -182,6 +184,16 @@ def test_full_decode_graph_logic(tiny_dense, dense_eager, monkeypatch):
     assert paths[0][1] == 17 and paths[0][0] != "full"
     assert paths[1:] == [("full", 4)] * 3 + [("full", 1)]
     assert graphs.replays == 4
+
+
+def test_full_graph_warmups_switch(monkeypatch):
+    """PCG_FULL_GRAPH_WARMUPS: 1 by default, at least 1, and a bad value never stops a start."""
+    for value, expected in [(None, 1), ("2", 2), ("0", 1), ("-3", 1), ("two", 1), ("", 1)]:
+        if value is None:
+            monkeypatch.delenv("PCG_FULL_GRAPH_WARMUPS", raising=False)
+        else:
+            monkeypatch.setenv("PCG_FULL_GRAPH_WARMUPS", value)
+        assert full_graph._warmups_switch() == expected, value
 
 
 def test_full_decode_graphs_refuse_unsafe_backend(dense_eager):
