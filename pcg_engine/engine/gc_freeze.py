@@ -21,13 +21,26 @@ the EOS ids needed it at start-up, is not frozen then: it adds ~7.5k objects, no
 full collection in the middle of serving.
 The collector's state is the process's: closing one engine un-freezes the objects of another still
 running in the same process too (it then serves as with gc_freeze=False until it is rebuilt).
+
+At exit: a process that ends without closing its engine (a script that builds an LLM, generates and
+returns) would leave the frozen objects out of the interpreter's last collections, and their
+finalizers never run. With Triton 3.9 that printed ~30 lines of "nanobind: leaked ..." on every such
+exit (its import-time IR objects, frozen with the rest). So the first freeze registers an atexit
+handler that un-freezes: atexit handlers run before the interpreter's final collections.
 """
 
+import atexit
 import gc
+
+_exit_handler_registered = False
 
 
 def freeze() -> int:
     """Collect, then freeze everything alive; returns the number of objects frozen."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(gc.unfreeze)
+        _exit_handler_registered = True
     gc.unfreeze()
     gc.collect()
     gc.freeze()
