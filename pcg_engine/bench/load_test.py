@@ -169,11 +169,33 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args) -> None:
+    """Refuse values that cannot make a load test, naming the flag and its range, before an engine
+    is built (a minute on a GPU) rather than after: a run of 0 requests printed a table of zeros."""
+    checks = [("--num-prompts", args.num_prompts, args.num_prompts >= 1, "an integer >= 1"),
+              ("--input-len", args.input_len, args.input_len >= 1, "an integer >= 1"),
+              ("--output-len", args.output_len, args.output_len >= 1, "an integer >= 1"),
+              ("--range-ratio", args.range_ratio, 0 <= args.range_ratio < 1, "a number in [0, 1)"),
+              ("--request-rate", args.request_rate, args.request_rate > 0, "a number > 0 (inf: all at once)"),
+              ("--burstiness", args.burstiness, 0 < args.burstiness < float("inf"), "a number > 0"),
+              ("--warmup", args.warmup, args.warmup >= 0, "an integer >= 0"),
+              ("--sweep-num-prompts", args.sweep_num_prompts, args.sweep_num_prompts >= 1, "an integer >= 1"),
+              ("--sweep-attainment", args.sweep_attainment, 0 < args.sweep_attainment <= 1, "a number in (0, 1]")]
+    if args.max_concurrency is not None:
+        checks.append(("--max-concurrency", args.max_concurrency, args.max_concurrency >= 1, "an integer >= 1"))
+    if args.timeout is not None:
+        checks.append(("--timeout", args.timeout, args.timeout > 0, "seconds > 0"))
+    for flag, value, ok, allowed in checks:
+        if not ok:   # (a NaN fails every comparison, so it lands here too)
+            raise SystemExit(f"pcg bench load-test: {flag} must be {allowed}, got {value}")
+
+
 def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     args = make_parser().parse_args(argv)
+    check_args(args)
     slos = parse_slos(args.goodput)
     if args.sweep_rates and not slos:
         raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")

@@ -309,3 +309,21 @@ def test_host_profile_script_runs(phase, capsys, monkeypatch):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert f"=== cProfile, mode eager, 2 requests, {phase}, 2 steps" in out and "function calls" in out
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--num-prompts", "0"], "--num-prompts"), (["--input-len", "0"], "--input-len"),
+    (["--output-len", "-1"], "--output-len"), (["--range-ratio", "1"], "--range-ratio"),
+    (["--request-rate", "-1"], "--request-rate"), (["--request-rate", "nan"], "--request-rate"),
+    (["--burstiness", "0"], "--burstiness"), (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--sweep-attainment", "1.5"], "--sweep-attainment"), (["--timeout", "0"], "--timeout")])
+def test_load_test_refuses_bad_flags_before_building_an_engine(flags, named, monkeypatch):
+    """Each bad value is named with its range, and no engine is built for it."""
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit) as e:
+        load_test.main(["--model", "tiny-qwen3", "--device", "cpu", *flags])
+    assert named in str(e.value) and "must be" in str(e.value)
+
+
+def test_load_test_accepts_the_defaults():
+    load_test.check_args(load_test.make_parser().parse_args([]))
