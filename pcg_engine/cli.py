@@ -38,18 +38,28 @@ def _add_generate(sub):
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                if line.lstrip().startswith("{"):
+        try:
+            f = open(args.prompts_file, encoding="utf-8")
+        except OSError as e:
+            raise SystemExit(f"--prompts-file: cannot read {args.prompts_file}: {e.strerror}")
+        with f:
+            try:
+                lines = f.read().split("\n")
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"--prompts-file: {args.prompts_file} is not UTF-8 text ({e.reason} at byte {e.start})")
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
                     obj = json.loads(line)
-                    if "prompt" not in obj:
-                        raise SystemExit(f"--prompts-file: JSONL line without a 'prompt' field: {line[:80]}")
-                    prompts.append(obj["prompt"])
-                else:
-                    prompts.append(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"--prompts-file: line {number} is not valid JSON ({e.msg}): {line[:80]}")
+                if "prompt" not in obj:
+                    raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field: {line[:80]}")
+                prompts.append(obj["prompt"])
+            else:
+                prompts.append(line)
     if not prompts:
         raise SystemExit("give --prompt (repeatable) or --prompts-file")
     return prompts

@@ -5,6 +5,7 @@ instead of silently running a default.
 """
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from pcg_engine.errors import ConfigError
@@ -96,6 +97,8 @@ class EngineConfig:
               and self.max_num_batched_tokens >= 1, "an int >= 1")
         check("max_model_len", self.max_model_len is None or (isinstance(self.max_model_len, int)
                                                                 and self.max_model_len >= 2), "None or an int >= 2")
+        check("device", isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+              "auto, cpu, cuda or cuda:N")
         check("mode", self.mode in MODES + ("auto",), f"{', '.join(MODES)} or auto")
         check("attention_backend", self.attention_backend in ("auto", "torch", "triton"), "auto, torch, triton")
         check("dtype", self.dtype in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
@@ -124,6 +127,8 @@ class EngineConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device", f"{self.device!r} asked for but CUDA is not available; use 'cpu'")
+        if self.device.startswith("cuda:") and int(self.device[5:]) >= torch.cuda.device_count():
+            raise ConfigError("device", f"got {self.device!r}; allowed: cuda:0..cuda:{torch.cuda.device_count() - 1}")
         return self.device
 
     def resolved_mode(self, device_type: str) -> str:
