@@ -39,6 +39,33 @@ def resolve_model(model: str | None, seed: int = 0) -> str:
 
 
 # ---- flags ---------------------------------------------------------------------------------------
+def int_at_least(low: int):
+    """An argparse type: an integer >= low. A bad value stops the command at parse time, naming the
+    flag and its range (`error: argument --num-prompts: must be an integer >= 1, got 0`), before
+    an engine is built."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1) (the benchmarks' --range-ratio)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:      # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {value}")
+    return value
+
+
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="checkpoint directory or preset name (tiny-qwen3, qwen3-0.6b, ...; built on first use)")

@@ -67,18 +67,17 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench latency", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes; ratios are against the first")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--num-iters", type=int, default=5)
-    p.add_argument("--warmup-iters", type=int, default=2)
+    p.add_argument("--input-len", type=common.int_at_least(1), default=128)
+    p.add_argument("--output-len", type=common.int_at_least(2), default=256,
+                   help="new tokens a request, >= 2: TPOT divides the decode time by (new tokens - 1)")
+    p.add_argument("--batch-size", type=common.int_at_least(1), default=1)
+    p.add_argument("--num-iters", type=common.int_at_least(1), default=5)
+    p.add_argument("--warmup-iters", type=common.int_at_least(0), default=2)
     return p
 
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
-    if args.output_len < 2:
-        raise SystemExit("--output-len must be >= 2: TPOT divides the decode time by (new tokens - 1)")
     model = common.resolve_model(args.model, args.seed)
     results = common.run_each_mode(args, model, run_mode, f"{args.warmup_iters} warm-up + {args.num_iters} iterations")
     base = next(iter(results.values()))

@@ -146,43 +146,37 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench load-test", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,piecewise+async (see common)")
-    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--num-prompts", type=common.int_at_least(1), default=500)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
-    p.add_argument("--shared-prefix-len", type=int, default=0, help="random prefix shared by every prompt")
+    p.add_argument("--max-concurrency", type=common.int_at_least(1), default=None, help="most requests in flight at once")
+    p.add_argument("--input-len", type=common.int_at_least(1), default=1024)
+    p.add_argument("--output-len", type=common.int_at_least(1), default=128)
+    p.add_argument("--range-ratio", type=common.fraction, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
+    p.add_argument("--shared-prefix-len", type=common.int_at_least(0), default=0, help="random prefix shared by every prompt")
     p.add_argument("--dataset", default=None, help='JSONL: {"prompt": text or ids, "output_len": n} per line')
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--detokenize", action="store_true", help="detokenize outputs (off: time the engine only)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:200 tpot:20")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per mode before measuring")
+    p.add_argument("--warmup", type=common.int_at_least(0), default=2, help="warm-up requests per mode before measuring")
     p.add_argument("--sweep-rates", action="store_true", help="find each mode's highest rate within the SLOs")
-    p.add_argument("--sweep-num-prompts", type=int, default=100, help="requests per sweep trial")
+    p.add_argument("--sweep-num-prompts", type=common.int_at_least(1), default=100, help="requests per sweep trial")
     p.add_argument("--sweep-start", type=float, default=None, help="first rate tried (default --request-rate or 4)")
     p.add_argument("--sweep-attainment", type=float, default=0.9, help="fraction of requests that must meet the SLOs")
-    p.add_argument("--sweep-bisect", type=int, default=3, help="bisection steps after bracketing")
+    p.add_argument("--sweep-bisect", type=common.int_at_least(0), default=3, help="bisection steps after bracketing")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run before the rest are aborted")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def check_args(args) -> None:
-    """Refuse values that cannot make a load test, naming the flag and its range, before an engine
-    is built (a minute on a GPU) rather than after: a run of 0 requests printed a table of zeros."""
-    checks = [("--num-prompts", args.num_prompts, args.num_prompts >= 1, "an integer >= 1"),
-              ("--input-len", args.input_len, args.input_len >= 1, "an integer >= 1"),
-              ("--output-len", args.output_len, args.output_len >= 1, "an integer >= 1"),
-              ("--range-ratio", args.range_ratio, 0 <= args.range_ratio < 1, "a number in [0, 1)"),
-              ("--request-rate", args.request_rate, args.request_rate > 0, "a number > 0 (inf: all at once)"),
+    """Refuse the float flags' values that cannot make a load test, naming the flag and its range,
+    before an engine is built (a minute on a GPU) rather than after; the integer flags and
+    --range-ratio are checked by their argparse types (common.int_at_least, common.fraction).
+    A run of 0 requests printed a table of zeros."""
+    checks = [("--request-rate", args.request_rate, args.request_rate > 0, "a number > 0 (inf: all at once)"),
               ("--burstiness", args.burstiness, 0 < args.burstiness < float("inf"), "a number > 0"),
-              ("--warmup", args.warmup, args.warmup >= 0, "an integer >= 0"),
-              ("--sweep-num-prompts", args.sweep_num_prompts, args.sweep_num_prompts >= 1, "an integer >= 1"),
               ("--sweep-attainment", args.sweep_attainment, 0 < args.sweep_attainment <= 1, "a number in (0, 1]")]
-    if args.max_concurrency is not None:
-        checks.append(("--max-concurrency", args.max_concurrency, args.max_concurrency >= 1, "an integer >= 1"))
     if args.timeout is not None:
         checks.append(("--timeout", args.timeout, args.timeout > 0, "seconds > 0"))
     for flag, value, ok, allowed in checks:

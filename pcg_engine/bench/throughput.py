@@ -119,21 +119,25 @@ def make_parser() -> argparse.ArgumentParser:
     common.add_common_args(p)
     p.set_defaults(max_model_len=4096)
     p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,full_and_piecewise")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-min", type=int, default=100)
-    p.add_argument("--input-max", type=int, default=1024)
-    p.add_argument("--output-min", type=int, default=100)
-    p.add_argument("--output-max", type=int, default=1024)
-    p.add_argument("--input-len", type=int, default=None, help="instead of --input-min/max: len*(1±r)")
-    p.add_argument("--output-len", type=int, default=None, help="instead of --output-min/max: len*(1±r)")
-    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=common.int_at_least(1), default=256)
+    p.add_argument("--input-min", type=common.int_at_least(1), default=100)
+    p.add_argument("--input-max", type=common.int_at_least(1), default=1024)
+    p.add_argument("--output-min", type=common.int_at_least(1), default=100)
+    p.add_argument("--output-max", type=common.int_at_least(1), default=1024)
+    p.add_argument("--input-len", type=common.int_at_least(1), default=None, help="instead of --input-min/max: len*(1±r)")
+    p.add_argument("--output-len", type=common.int_at_least(1), default=None, help="instead of --output-min/max: len*(1±r)")
+    p.add_argument("--range-ratio", type=common.fraction, default=0.0)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--warmup-prompts", type=int, default=4, help="short requests run before measuring")
+    p.add_argument("--warmup-prompts", type=common.int_at_least(0), default=4, help="short requests run before measuring")
     return p
 
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    for kind in ("input", "output"):
+        low, high = getattr(args, f"{kind}_min"), getattr(args, f"{kind}_max")
+        if low > high:
+            raise SystemExit(f"pcg bench throughput: --{kind}-min ({low}) must be <= --{kind}-max ({high})")
     model = common.resolve_model(args.model, args.seed)
     results = common.run_each_mode(args, model, run_mode, f"{args.num_prompts} requests")
     base = next(iter(results.values()))["output_throughput"]

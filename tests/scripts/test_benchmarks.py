@@ -311,18 +311,28 @@ def test_host_profile_script_runs(phase, capsys, monkeypatch):
     assert f"=== cProfile, mode eager, 2 requests, {phase}, 2 steps" in out and "function calls" in out
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--num-prompts", "0"], "--num-prompts"), (["--input-len", "0"], "--input-len"),
-    (["--output-len", "-1"], "--output-len"), (["--range-ratio", "1"], "--range-ratio"),
-    (["--request-rate", "-1"], "--request-rate"), (["--request-rate", "nan"], "--request-rate"),
-    (["--burstiness", "0"], "--burstiness"), (["--max-concurrency", "0"], "--max-concurrency"),
-    (["--sweep-attainment", "1.5"], "--sweep-attainment"), (["--timeout", "0"], "--timeout")])
-def test_load_test_refuses_bad_flags_before_building_an_engine(flags, named, monkeypatch):
-    """Each bad value is named with its range, and no engine is built for it."""
+BAD_FLAGS = [
+    (load_test, ["--num-prompts", "0"]), (load_test, ["--input-len", "0"]), (load_test, ["--output-len", "-1"]),
+    (load_test, ["--range-ratio", "1"]), (load_test, ["--request-rate", "-1"]), (load_test, ["--request-rate", "nan"]),
+    (load_test, ["--burstiness", "0"]), (load_test, ["--max-concurrency", "0"]),
+    (load_test, ["--sweep-attainment", "1.5"]), (load_test, ["--timeout", "0"]), (load_test, ["--warmup", "x"]),
+    (throughput, ["--num-prompts", "0"]), (throughput, ["--input-min", "0"]), (throughput, ["--output-len", "0"]),
+    (throughput, ["--range-ratio", "-0.1"]), (throughput, ["--input-min", "50", "--input-max", "10"]),
+    (latency, ["--num-iters", "0"]), (latency, ["--output-len", "1"]), (latency, ["--batch-size", "0"]),
+    (latency, ["--warmup-iters", "-1"])]
+
+
+@pytest.mark.parametrize("module, flags", BAD_FLAGS,
+                         ids=[f"{m.__name__.rsplit('.', 1)[-1]}{''.join(f)}" for m, f in BAD_FLAGS])
+def test_benchmarks_refuse_bad_flags_before_building_an_engine(module, flags, monkeypatch, capsys):
+    """Each bad value is refused with the flag's name and its range, and no engine is built for it."""
     monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    monkeypatch.setattr(common, "resolve_model", lambda *a, **k: pytest.fail("a model was resolved"))
     with pytest.raises(SystemExit) as e:
-        load_test.main(["--model", "tiny-qwen3", "--device", "cpu", *flags])
-    assert named in str(e.value) and "must be" in str(e.value)
+        module.main(["--model", "tiny-qwen3", "--device", "cpu", *flags])
+    message = str(e.value) + capsys.readouterr().err      # SystemExit's text, or argparse's error line
+    assert flags[-2] in message or flags[0] in message
+    assert "must be" in message
 
 
 def test_load_test_accepts_the_defaults():
