@@ -138,22 +138,22 @@ def run_table(args, console) -> dict:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench overhead", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--slots", type=int, default=16, help="max_num_seqs")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--requests", type=common.int_at_least(1), default=16)
+    p.add_argument("--slots", type=common.int_at_least(1), default=16, help="max_num_seqs")
+    p.add_argument("--new-tokens", type=common.int_at_least(1), default=64)
+    p.add_argument("--prompt-len", type=common.int_at_least(1), default=16)
     p.add_argument("--configs", default=None, help="comma-separated subset of the configs (eager always runs)")
     p.add_argument("--cpu-compile", action="store_true", help="on CPU, also run the piecewise configs ungraphed")
     h = p.add_argument_group("host only (P4)")
     h.add_argument("--host-only", action="store_true", help="time host work per step without the model")
     h.add_argument("--batch-sizes", default="16,64,256", help="running decode requests to time")
-    h.add_argument("--host-steps", type=int, default=50, help="timed decode steps per size")
-    h.add_argument("--warm-steps", type=int, default=5)
+    h.add_argument("--host-steps", type=common.int_at_least(1), default=50, help="timed decode steps per size")
+    h.add_argument("--warm-steps", type=common.int_at_least(0), default=5)
     h.add_argument("--host-async", action="store_true", help="async scheduling in the host-only run")
     h.add_argument("--host-profile", default=None, metavar="PATH",
                    help="cProfile the timed steps of the persistent batch at the largest size; stats to PATH "
                         "(pstats format) and the top functions to PATH.txt")
-    h.add_argument("--fake-vocab", type=int, default=None,
+    h.add_argument("--fake-vocab", type=common.int_at_least(1), default=None,
                    help="width of the fake logits (default: the model's vocabulary). On a CPU the greedy "
                         "argmax over them is real work (~1.3 ms at 256 x 1024 on the dev machine) that a GPU "
                         "runs asynchronously; a small width leaves the host work alone")

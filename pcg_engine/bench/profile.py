@@ -101,11 +101,11 @@ def make_parser() -> argparse.ArgumentParser:
     names = ", ".join(n for n, _ in CONFIGS)
     p.add_argument("--configs", default=None, help=f"comma-separated, from: {names} "
                    "(default: eager, fused, and on CUDA full graphs, piecewise)")
-    p.add_argument("--requests", type=int, default=16, help="running decode requests (= max_num_seqs)")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=5, help="decode steps profiled")
-    p.add_argument("--warm-steps", type=int, default=3, help="decode steps run before profiling")
-    p.add_argument("--timeline-steps", type=int, default=3, help="steps shown in the PNG")
+    p.add_argument("--requests", type=common.int_at_least(1), default=16, help="running decode requests (= max_num_seqs)")
+    p.add_argument("--prompt-len", type=common.int_at_least(1), default=32)
+    p.add_argument("--steps", type=common.int_at_least(1), default=5, help="decode steps profiled")
+    p.add_argument("--warm-steps", type=common.int_at_least(0), default=3, help="decode steps run before profiling")
+    p.add_argument("--timeline-steps", type=common.int_at_least(1), default=3, help="steps shown in the PNG")
     p.add_argument("--out-dir", default="profile_out")
     p.add_argument("--kernel-table", action="store_true", help="print each config's device time by kernel name")
     return p

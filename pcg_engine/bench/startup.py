@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from pcg_engine.bench.common import env_record, print_table, resolve_model, write_json
+from pcg_engine.bench.common import env_record, int_at_least, print_table, resolve_model, write_json
 
 _CHILD = """
 import json, os, sys, time
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny-qwen3")
     p.add_argument("--mode", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=256)
     p.add_argument("--json", default=None)
     p.add_argument("--profile-dir", default=None, help="write a cProfile summary of each run (cold.txt, warm.txt) here")
     args = p.parse_args(argv)

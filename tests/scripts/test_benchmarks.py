@@ -319,7 +319,8 @@ BAD_FLAGS = [
     (throughput, ["--num-prompts", "0"]), (throughput, ["--input-min", "0"]), (throughput, ["--output-len", "0"]),
     (throughput, ["--range-ratio", "-0.1"]), (throughput, ["--input-min", "50", "--input-max", "10"]),
     (latency, ["--num-iters", "0"]), (latency, ["--output-len", "1"]), (latency, ["--batch-size", "0"]),
-    (latency, ["--warmup-iters", "-1"])]
+    (latency, ["--warmup-iters", "-1"]), (overhead, ["--requests", "0"]), (overhead, ["--host-steps", "0"]),
+    (profile, ["--steps", "0"])]
 
 
 @pytest.mark.parametrize("module, flags", BAD_FLAGS,
