@@ -32,31 +32,42 @@ class LLM:
         """Run every prompt to completion; outputs in prompt order.
 
         Every prompt is validated before any is queued, so one bad prompt raises (naming its
-        field) without running the others half-way."""
+        field) without running the others half-way. If the call is stopped by an exception (the
+        callback raising, Ctrl-C), the requests it queued are aborted: the next call does not run
+        them."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         ids = []
+        finals: dict[str, RequestOutput] = {}
         try:
             for prompt, p in zip(prompts, params):
                 # Without a callback only the final outputs are used: skip the per-step ones.
                 ids.append(self.engine.add_request(prompt, p, final_only=on_output is None))
-        except Exception:
-            # Never scheduled, so aborting frees them at once; drop their abort outputs rather
-            # than stepping, which would run (and swallow the outputs of) other requests in flight.
-            for rid in ids:
-                self.engine.abort_request(rid)
-            dropped = set(ids)
-            self.engine.pending_outputs = [o for o in self.engine.pending_outputs if o.request_id not in dropped]
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if on_output is not None:
+                        on_output(out)
+                    if out.finished:
+                        finals[out.request_id] = out
+        except BaseException:
+            self._abandon(ids)
             raise
-        finals: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if on_output is not None:
-                    on_output(out)
-                if out.finished:
-                    finals[out.request_id] = out
         return [finals[rid] for rid in ids]
+
+    def _abandon(self, ids) -> None:
+        """Abort those of ids still in the engine and drop their abort outputs. Not stepping: that
+        would run (and swallow the outputs of) other requests in flight. A request whose step is
+        in flight frees its blocks at once; the step's token is dropped when it is resolved.
+        Errors here are not raised over the exception that stopped generate()."""
+        for rid in ids:
+            if rid in self.engine.requests:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:   # pragma: no cover - the engine already failed; keep its error
+                    pass
+        dropped = set(ids)
+        self.engine.pending_outputs = [o for o in self.engine.pending_outputs if o.request_id not in dropped]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one output per step that brought this request new tokens, the last one finished.

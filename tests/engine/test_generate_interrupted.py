@@ -1,0 +1,41 @@
+"""LLM.generate stopped by an exception (its on_output callback raising, or Ctrl-C in a notebook):
+the requests it queued are aborted, not left in the engine for the next call to run to the end,
+and nothing leaks once the step in flight is resolved."""
+
+import pytest
+
+from engine_helpers import assert_drained, drain, make_llm, random_prompts
+from pcg_engine.sampling_params import SamplingParams
+
+PROMPTS = random_prompts([7, 12, 5], seed=31)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request, tiny_paths):
+    return make_llm(tiny_paths["tiny-qwen3"], async_scheduling=request.param)
+
+
+@pytest.mark.parametrize("exc", [Stop, KeyboardInterrupt])
+def test_interrupted_generate_aborts_its_requests(llm, exc):
+    want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    seen = []
+
+    def on_output(out):
+        seen.append(out.request_id)
+        if len(seen) == 5:            # a few steps in: every request is running
+            raise exc("stop")
+    with pytest.raises(exc):
+        llm.generate(PROMPTS, PARAMS, on_output=on_output)
+    engine = llm.engine
+    assert not engine.requests, "an interrupted generate left its requests in the engine"
+    drain(engine)                     # the step in flight (async), whose tokens are dropped
+    assert_drained(engine)
+    # The engine serves on as before.
+    got = [o.token_ids for o in llm.generate(PROMPTS[:1], PARAMS)]
+    assert got == want[:1]
+    assert_drained(engine)
