@@ -273,7 +273,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> Path:
-    path = make_checkpoint(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size,
-                           dtype=args.dtype, device=args.device)
+    """`pcg make-model`: a bad setting or an output directory that cannot be written is reported
+    by name in one line, not as a traceback."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"pcg make-model: --out: {args.out} exists and is not a directory")
+    try:
+        path = make_checkpoint(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size,
+                               dtype=args.dtype, device=args.device)
+    except ConfigError as e:
+        raise SystemExit(f"pcg make-model: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"pcg make-model: --out: cannot write the checkpoint in {args.out}: "
+                         f"{e.strerror or e}") from None
     print(path)
     return path

@@ -195,3 +195,25 @@ def test_ensure_default_model_builds_once(tmp_path, monkeypatch):
     assert cm.ensure_default_model() == path
     assert os.stat(path / "model.safetensors").st_mtime_ns == stamp
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp dir left behind
+
+
+def _cli_args(out, **over):
+    import argparse
+    return argparse.Namespace(**{"preset": "tiny-qwen3", "out": str(out), "seed": 0, "max_shard_size": "2GB",
+                                 "dtype": None, "device": "cpu", **over})
+
+
+@pytest.mark.parametrize("over, named", [({"max_shard_size": "bogus"}, "max_shard_size"), ({"seed": -1}, "seed"),
+                                         ({"device": "bogus"}, "device")])
+def test_cli_bad_setting_is_one_line_naming_it(tmp_path, over, named):
+    with pytest.raises(SystemExit, match=f"pcg make-model: {named}: "):
+        cm.run(_cli_args(tmp_path / "m", **over))
+
+
+def test_cli_out_that_cannot_be_a_directory(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit, match="--out: .* exists and is not a directory"):
+        cm.run(_cli_args(a_file))
+    with pytest.raises(SystemExit, match="--out: cannot write the checkpoint in"):
+        cm.run(_cli_args(a_file / "below"))      # a directory under a file
