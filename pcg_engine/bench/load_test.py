@@ -40,15 +40,11 @@ def build_dataset(args, llm, num: int, seed: int) -> list[tuple[list[int], int]]
     Warm-up and sweep trials draw with other seeds: reusing a prompt would hit the prefix cache."""
     rng = np.random.default_rng(seed)
     if args.dataset:
+        entries = getattr(args, "dataset_entries", None) or read_dataset(args.dataset)
         items = []
-        with open(args.dataset, encoding="utf-8") as f:
-            for line in f:
-                if line.strip() and len(items) < num:
-                    obj = json.loads(line)
-                    prompt = obj["prompt"]
-                    ids = (list(prompt) if isinstance(prompt, list)
-                           else llm.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-                    items.append((ids, int(obj.get("output_len", args.output_len))))
+        for prompt, out in entries[:num]:
+            ids = list(prompt) if isinstance(prompt, list) else llm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            items.append((ids, args.output_len if out is None else out))
     else:
         lo, hi = common.length_bounds(args.input_len, args.range_ratio)
         olo, ohi = common.length_bounds(args.output_len, args.range_ratio)
@@ -62,6 +58,41 @@ def build_dataset(args, llm, num: int, seed: int) -> list[tuple[list[int], int]]
             raise SystemExit(f"a request of {len(ids)} prompt + {out} output tokens exceeds max_model_len {limit}; "
                              "lower --input-len / --output-len / --range-ratio or raise --max-model-len")
     return items
+
+
+def read_dataset(path: str) -> list[tuple[str | list[int], int | None]]:
+    """--dataset JSONL as (prompt, output_len or None), checked line by line before any engine is
+    built: a file that cannot be read, a line that is not JSON or lacks a usable "prompt" (a
+    non-empty string or list of token ids), an "output_len" that is not an integer >= 1, or no
+    request at all stops the command with the line's number."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise SystemExit(f"--dataset: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"--dataset: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    entries = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--dataset: line {number} is not valid JSON ({e.msg})") from None
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        ids_ok = isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        if not (isinstance(prompt, str) and prompt) and not ids_ok:
+            raise SystemExit(f"--dataset: line {number}: needs a \"prompt\": a non-empty string or list of "
+                             f"token ids (integers >= 0)")
+        out = obj.get("output_len")
+        if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 1):
+            raise SystemExit(f"--dataset: line {number}: \"output_len\" must be an integer >= 1, got {out!r}")
+        entries.append((prompt, out))
+    if not entries:
+        raise SystemExit(f"--dataset: {path} holds no request")
+    return entries
 
 
 def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=None) -> dict:
@@ -190,6 +221,7 @@ def main(argv=None) -> int:
 
     args = make_parser().parse_args(argv)
     check_args(args)
+    args.dataset_entries = read_dataset(args.dataset) if args.dataset else None
     slos = parse_slos(args.goodput)
     if args.sweep_rates and not slos:
         raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")

@@ -127,6 +127,32 @@ def test_load_test_jsonl_dataset(tmp_path):
     assert data["requests"][1]["prompt_len"] == 4
 
 
+@pytest.mark.parametrize("content, expected", [
+    (b'{"prompt": "a"}\n{"prompt": "b"\n', "line 2 is not valid JSON"),
+    (b'{"text": "a"}\n', 'line 1: needs a "prompt"'),
+    (b'{"prompt": ""}\n', 'line 1: needs a "prompt"'),
+    (b'{"prompt": [1, -2]}\n', 'line 1: needs a "prompt"'),
+    (b'[1, 2]\n', 'line 1: needs a "prompt"'),
+    (b'{"prompt": "a", "output_len": 0}\n', 'line 1: "output_len" must be an integer >= 1, got 0'),
+    (b'{"prompt": "a", "output_len": "3"}\n', '"output_len" must be an integer >= 1'),
+    (b"\n\n", "holds no request"),
+    (b"\xff\xfe", "is not UTF-8 text"),
+])
+def test_load_test_bad_dataset_named_before_building_an_engine(tmp_path, content, expected, monkeypatch):
+    ds = tmp_path / "d.jsonl"
+    ds.write_bytes(content)
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit, match="--dataset: ") as e:
+        load_test.main(["--device", "cpu", "--dataset", str(ds)])
+    assert expected in str(e.value)
+
+
+def test_load_test_missing_dataset(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit, match="--dataset: cannot read"):
+        load_test.main(["--device", "cpu", "--dataset", str(tmp_path / "none.jsonl")])
+
+
 def test_throughput(tmp_path):
     out = tmp_path / "tp.json"
     assert throughput.main(["--device", "cpu", "--modes", "eager", "--num-prompts", "6", "--input-len", "12",
