@@ -23,3 +23,11 @@ class ConfigError(PcgError, ValueError):
     def __init__(self, field: str, message: str):
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+class EngineClosedError(PcgError, RuntimeError):
+    """A call on an engine after its close(): it holds no model or cache any more."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}: the engine is closed (LLM.close() or LLMEngine.close() was called); "
+                         "build a new LLM to go on")

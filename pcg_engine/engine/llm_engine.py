@@ -35,7 +35,7 @@ from pcg_engine.engine.sampler import Sampler, SamplerOutput
 from pcg_engine.engine.sampling_tensors import SamplingRow, SamplingTensors, make_generator
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import LazyTokenizer, eos_token_ids
-from pcg_engine.errors import InvalidRequestError
+from pcg_engine.errors import EngineClosedError, InvalidRequestError
 from pcg_engine.outputs import RequestOutput
 from pcg_engine.sampling_params import SamplingParams
 
@@ -51,6 +51,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress=None):
+        self.closed = False
         self.config = config
         self.device = torch.device(config.resolved_device())
         if config.model is None:
@@ -103,6 +104,8 @@ class LLMEngine:
 
         final_only: step() returns this request's output only when it finishes (a caller that
         wants just the result, like LLM.generate without on_output, saves the per-step object)."""
+        if self.closed:
+            raise EngineClosedError("add_request")
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -178,7 +181,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Drop every request and release the device memory (see ModelRunner.close). The engine
-        cannot be used afterwards."""
+        cannot be used afterwards (add_request and step raise EngineClosedError)."""
+        self.closed = True
         self.inflight = None
         self.requests.clear()
         self.pending_outputs = []
@@ -192,6 +196,8 @@ class LLMEngine:
     # ---- steps -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of requests that got tokens or finished."""
+        if self.closed:
+            raise EngineClosedError("step")
         t0 = time.perf_counter()
         wait0 = self.stats.sync_wait_s
         plan = self.scheduler.schedule()

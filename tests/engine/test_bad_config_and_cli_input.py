@@ -54,3 +54,21 @@ def test_prompts_file_bad_content_is_named(tmp_path, content, expected):
 def test_prompts_file_unreadable_is_named(tmp_path, name):
     with pytest.raises(SystemExit, match="--prompts-file: cannot read"):
         _read_prompts(_args(tmp_path / name))
+
+
+def test_calls_after_close_name_the_closed_engine(tiny_paths):
+    """generate, stream, add_request and step on a closed engine raise EngineClosedError (was an
+    AttributeError from inside the step, after the request had been queued); close twice is fine."""
+    from engine_helpers import make_llm
+    from pcg_engine.errors import EngineClosedError
+    llm = make_llm(tiny_paths["tiny-qwen3"])
+    assert [len(o.token_ids) for o in llm.generate([[5, 6, 7]], {"max_tokens": 2})] == [2]
+    llm.close()
+    llm.close()
+    with pytest.raises(EngineClosedError, match="add_request: the engine is closed"):
+        llm.generate([[5, 6, 7]], {"max_tokens": 2})
+    with pytest.raises(EngineClosedError):
+        list(llm.stream([5, 6, 7], {"max_tokens": 2}))
+    with pytest.raises(EngineClosedError, match="step: the engine is closed"):
+        llm.engine.step()
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
