@@ -158,7 +158,11 @@ def main(argv=None) -> int:
     _add_make_model(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:   # Ctrl-C: the shell's convention (128 + SIGINT), not a traceback
+        print("pcg: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

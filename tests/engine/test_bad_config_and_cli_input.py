@@ -72,3 +72,13 @@ def test_calls_after_close_name_the_closed_engine(tiny_paths):
     with pytest.raises(EngineClosedError, match="step: the engine is closed"):
         llm.engine.step()
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    from pcg_engine import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    assert cli.main(["generate", "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "pcg: interrupted"
