@@ -36,25 +36,12 @@ def _add_generate(sub):
 
 
 def _read_prompts(args) -> list[str]:
+    from pcg_engine.prompt_files import parse_json, read_lines
     prompts = list(args.prompt)
     if args.prompts_file:
-        try:
-            f = open(args.prompts_file, encoding="utf-8")
-        except OSError as e:
-            raise SystemExit(f"--prompts-file: cannot read {args.prompts_file}: {e.strerror}")
-        with f:
-            try:
-                lines = f.read().split("\n")
-            except UnicodeDecodeError as e:
-                raise SystemExit(f"--prompts-file: {args.prompts_file} is not UTF-8 text ({e.reason} at byte {e.start})")
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
+        for number, line in read_lines(args.prompts_file, "--prompts-file"):
             if line.lstrip().startswith("{"):
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"--prompts-file: line {number} is not valid JSON ({e.msg}): {line[:80]}")
+                obj = parse_json(line, number, "--prompts-file")
                 if "prompt" not in obj:
                     raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field: {line[:80]}")
                 prompts.append(obj["prompt"])

@@ -13,7 +13,6 @@ behind the engine is, so queueing shows up in TTFT, as it would for a server.
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 
@@ -22,6 +21,7 @@ import numpy as np
 from pcg_engine.bench import common
 from pcg_engine.bench.engine_thread import EngineLoop, run_client
 from pcg_engine.bench.load_metrics import parse_slos, summarize, table_rows
+from pcg_engine.prompt_files import parse_json, read_lines
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
@@ -65,21 +65,9 @@ def read_dataset(path: str) -> list[tuple[str | list[int], int | None]]:
     built: a file that cannot be read, a line that is not JSON or lacks a usable "prompt" (a
     non-empty string or list of token ids), an "output_len" that is not an integer >= 1, or no
     request at all stops the command with the line's number."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise SystemExit(f"--dataset: cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise SystemExit(f"--dataset: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     entries = []
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--dataset: line {number} is not valid JSON ({e.msg})") from None
+    for number, line in read_lines(path, "--dataset"):
+        obj = parse_json(line, number, "--dataset")
         prompt = obj.get("prompt") if isinstance(obj, dict) else None
         ids_ok = isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
