@@ -14,6 +14,8 @@
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep),
+# fwdhost (scripts/forward_host.py: an eager full-decode forward's host ms and its Triton JIT share), p1_rope / p1_8b_rope
+# (P1 full_decode, PCG_FUSED_ROPE_ATTENTION=0/1 alternated twice; ROPE_MODES),
 # capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
@@ -111,6 +113,12 @@ part() {
     skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
     capture) timeout $(lim 120) python3 scripts/bench_capture.py ${CAPTURE_ARGS:-} --json $OUT/capture.json 2>&1 | tail -12 ;;
     capture_engine) timeout $(lim 200) python3 scripts/bench_capture.py --engine $(model qwen3-0.6b) --json $OUT/capture_engine.json 2>&1 | tail -14 ;;
+    fwdhost) timeout $(lim 150) python3 scripts/forward_host.py --model $(model qwen3-0.6b) --json $OUT/forward_host.json 2>&1 | tail -6 ;;
+    p1_rope|p1_8b_rope) for i in 1 2; do for v in 0 1; do   # A/B, alternated: PCG_FUSED_ROPE_ATTENTION (attention/triton_backend.py)
+            m=qwen3-0.6b; [ "$1" = p1_8b_rope ] && m=qwen3-8b
+            PCG_FUSED_ROPE_ATTENTION=$v timeout $(lim 120) $B latency --model $(model $m) --modes ${ROPE_MODES:-full_decode} \
+              --num-iters 2 --warmup-iters 1 --json $OUT/$1_$v-$i.json 2>&1 | grep -E "full_decode|piecewise|mode" | sed "s/^/rope=$v run $i /"
+          done; done ;;
     p5prof) timeout $(lim 240) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06_prof.json \
           --profile-dir $OUT/p5prof 2>&1 | tail -9 ;;   # p5 with a cProfile of each run (cold.txt, warm.txt, ...)
     kernels) timeout $(lim 150) python3 scripts/bench_kernels.py ${KERNELS_ARGS:-} --json $OUT/kernels.json 2>&1 | tail -30 ;;
