@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--buckets", default="1,8,64,256")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--cprofile", type=int, default=0, metavar="BUCKET",
+                   help="also print a cProfile of 10 forwards at this bucket (by own time and by cumulative time)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("forward_host.py needs a CUDA device")
@@ -113,6 +115,19 @@ def main(argv=None) -> int:
         print(f"bucket {bucket:4}: forward {row['forward_ms']:.2f} ms ({row['forward_timed_ms']:.2f} timed); "
               f"inside the JIT {row['jit_ms']:.2f} ms, of it the launcher {row['launcher_ms']:.2f} ms; "
               f"{row['launches']:.0f} launches: " + ", ".join(f"{k} {v:.0f}" for k, v in row["by_kernel"].items()))
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+        _time_forwards(graphs, args.cprofile, 3)
+        prof = cProfile.Profile()
+        prof.enable()
+        _time_forwards(graphs, args.cprofile, 10)
+        prof.disable()
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(45)
+            print(text.getvalue())
     llm.close()
     if args.json:
         with open(args.json, "w") as f:

@@ -113,7 +113,7 @@ part() {
     skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
     capture) timeout $(lim 120) python3 scripts/bench_capture.py ${CAPTURE_ARGS:-} --json $OUT/capture.json 2>&1 | tail -12 ;;
     capture_engine) timeout $(lim 200) python3 scripts/bench_capture.py --engine $(model qwen3-0.6b) --json $OUT/capture_engine.json 2>&1 | tail -14 ;;
-    fwdhost) timeout $(lim 150) python3 scripts/forward_host.py --model $(model qwen3-0.6b) --json $OUT/forward_host.json 2>&1 | tail -6 ;;
+    fwdhost) timeout $(lim 150) python3 scripts/forward_host.py --model $(model qwen3-0.6b) --json $OUT/forward_host.json ${FWD_ARGS:-} > $OUT/forward_host.txt 2>&1; head -8 $OUT/forward_host.txt ;;
     p1_rope|p1_8b_rope) for i in 1 2; do for v in 0 1; do   # A/B, alternated: PCG_FUSED_ROPE_ATTENTION (attention/triton_backend.py)
             m=qwen3-0.6b; [ "$1" = p1_8b_rope ] && m=qwen3-8b
             PCG_FUSED_ROPE_ATTENTION=$v timeout $(lim 120) $B latency --model $(model $m) --modes ${ROPE_MODES:-full_decode} \
