@@ -26,6 +26,7 @@ from collections import Counter
 import torch
 
 
+@torch.inference_mode()   # as capture_all runs them (outside it every op would also record autograd state)
 def _time_forwards(graphs, bucket: int, iters: int) -> list[float]:
     times = []
     for _ in range(iters):
