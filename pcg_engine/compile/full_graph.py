@@ -30,13 +30,16 @@ from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.compile.cuda_graph import GraphPool, capture
 from pcg_engine.kernels import pdl
 
-# Warm-up forwards before each bucket's capture (compile/cuda_graph.capture). One makes every lazy
-# thing happen outside the capture (stream workspaces, module loads, PDL variants; the kernels are
-# compiled by then, engine/precompile.py). Session 1 ran two, before the pre-compile pass existed;
-# each is a whole eager forward launched through Triton's JIT path, ~14 ms of host a bucket
-# (scripts/bench_capture.py --engine). One instead of two: P5 capture -1.05 s warm, -0.86 s cold,
-# the GPU graph tests unchanged (docs/PERF.md, session 12). PCG_FULL_GRAPH_WARMUPS=N (read at
-# import) for A/B runs.
+# Warm-up forwards before the first (largest) bucket's capture (compile/cuda_graph.capture). One
+# makes every lazy thing that is not per shape happen outside the capture: the capture stream's
+# cuBLAS workspace, the per-device buffers of the attention backend, PDL's variants (the kernels
+# are compiled by then, engine/precompile.py). Each is a whole eager forward, 14-28 ms of host on
+# the H200's CPU (scripts/forward_host.py), so the smaller buckets capture straight away: what is
+# left per shape is cuBLAS's choice of kernel (host only) and the first launch of a Triton variant,
+# whose module load the driver allows inside a capture since CUDA 12.3; the largest bucket's
+# warm-up allocated everything a smaller one needs. History: session 1 warmed every bucket twice,
+# session 12 once (P5 capture -1.05 s warm). PCG_FULL_GRAPH_WARMUPS=N (N warm-ups) and
+# PCG_FULL_GRAPH_WARMUP_EVERY=1 (warm every bucket, as before) are read at import, for A/B runs.
 def _warmups_switch() -> int:
     try:
         return max(1, int(os.environ.get("PCG_FULL_GRAPH_WARMUPS", "1")))
@@ -45,6 +48,7 @@ def _warmups_switch() -> int:
 
 
 DEFAULT_WARMUPS = _warmups_switch()
+WARM_EVERY_BUCKET = os.environ.get("PCG_FULL_GRAPH_WARMUP_EVERY", "0") == "1"
 
 
 def default_decode_buckets(max_num_seqs: int) -> list[int]:
@@ -56,7 +60,8 @@ def default_decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class FullDecodeGraphs:
-    def __init__(self, runner, buckets=None, pool: GraphPool | None = None, forward=None, warmups: int = DEFAULT_WARMUPS):
+    def __init__(self, runner, buckets=None, pool: GraphPool | None = None, forward=None, warmups: int = DEFAULT_WARMUPS,
+                 warm_every_bucket: bool = WARM_EVERY_BUCKET):
         if not getattr(runner.backend, "cuda_graph_safe", False):
             raise ValueError(f"full decode graphs need a graph-safe attention backend; {runner.backend.name!r} "
                              "reads host values per step (use attention_backend='triton' or mode 'piecewise')")
@@ -70,6 +75,8 @@ class FullDecodeGraphs:
         self.forward = forward or runner.model.forward
         self.fuse_rope = forward is None
         self.warmups = warmups
+        self.warm_every_bucket = warm_every_bucket
+        self.warmup_runs = 0     # warm-up forwards run by capture_all
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.captures: dict[int, int] = {}
@@ -127,9 +134,11 @@ class FullDecodeGraphs:
         t0 = time.perf_counter()
         task = progress.add_task("full decode graphs", total=len(self.buckets)) if progress is not None else None
         with self.capture_context():
-            for bucket in sorted(self.buckets, reverse=True):
+            for i, bucket in enumerate(sorted(self.buckets, reverse=True)):
                 self._dummy_batch(bucket)
-                graph, out = capture(self.pool, self._forward, bucket, warmups=self.warmups)
+                warmups = self.warmups if i == 0 or self.warm_every_bucket else 0
+                graph, out = capture(self.pool, self._forward, bucket, warmups=warmups)
+                self.warmup_runs += warmups
                 self.graphs[bucket], self.outputs[bucket] = graph, out
                 self.captures[bucket] = self.captures.get(bucket, 0) + 1
                 if task is not None:

@@ -160,11 +160,18 @@ def test_full_decode_graph_logic(tiny_dense, dense_eager, monkeypatch):
     monkeypatch.setattr(full_graph, "capture", fake_capture)
     pool = cuda_graph.GraphPool(torch.device("cpu"))
     pool.enabled = True
-    graphs = full_graph.FullDecodeGraphs(runner, [1, 2, 4, 8], pool=pool)
+    # The A/B switch's old behaviour first: every bucket warms up
+    every = full_graph.FullDecodeGraphs(runner, [1, 2, 4, 8], pool=pool, warmups=2, warm_every_bucket=True)
+    CAPTURE_CALLS.clear()
+    every.capture_all()
+    assert [w for _, w in CAPTURE_CALLS] == [2] * 4 and every.warmup_runs == 8
+    graphs = full_graph.FullDecodeGraphs(runner, [1, 2, 4, 8], pool=pool, warm_every_bucket=False)
     CAPTURE_CALLS.clear()
     graphs.capture_all()
     assert graphs.captures == {1: 1, 2: 1, 4: 1, 8: 1}
-    assert [w for _, w in CAPTURE_CALLS] == [full_graph.DEFAULT_WARMUPS] * 4   # one warm-up a bucket by default
+    # by default only the first capture, the largest bucket, warms up
+    assert [w for _, w in CAPTURE_CALLS] == [full_graph.DEFAULT_WARMUPS, 0, 0, 0]
+    assert graphs.warmup_runs == full_graph.DEFAULT_WARMUPS
     assert [graphs.bucket_for(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     meta = graphs.metadata(4)
     assert (meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (4, 4, 1, runner.max_model_len)
