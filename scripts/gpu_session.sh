@@ -15,7 +15,8 @@
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep),
 # fwdhost (scripts/forward_host.py: an eager full-decode forward's host ms and its Triton JIT share), p1_rope / p1_8b_rope
-# (P1 full_decode, PCG_FUSED_ROPE_ATTENTION=0/1 alternated twice; ROPE_MODES),
+# (P1 full_decode, PCG_FUSED_ROPE_ATTENTION=0/1 alternated twice; ROPE_MODES), p1ab (P1 with AB_VAR=each of AB_VALUES,
+# alternated twice; AB_MODEL, P1_MODES),
 # capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
@@ -120,6 +121,11 @@ part() {
             m=qwen3-0.6b; [ "$1" = p1_8b_rope ] && m=qwen3-8b
             PCG_FUSED_ROPE_ATTENTION=$v timeout $(lim 120) $B latency --model $(model $m) --modes ${ROPE_MODES:-full_decode} \
               --num-iters 2 --warmup-iters 1 --json $OUT/$1_$v-$i.json 2>&1 | grep -E "full_decode|piecewise|mode" | sed "s/^/rope=$v run $i /"
+          done; done ;;
+    p1ab) for i in 1 2; do for v in ${AB_VALUES:-0 1}; do   # A/B, alternated twice: P1 (AB_MODEL, P1_MODES) with env AB_VAR=v
+            env ${AB_VAR:?AB_VAR names the switch}=$v timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) \
+              --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1ab_${AB_VAR}_$v-$i.json 2>&1 \
+              | grep -E "full_decode|piecewise|mode" | sed "s/^/$AB_VAR=$v run $i /"
           done; done ;;
     p5prof) timeout $(lim 240) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06_prof.json \
           --profile-dir $OUT/p5prof 2>&1 | tail -9 ;;   # p5 with a cProfile of each run (cold.txt, warm.txt, ...)
