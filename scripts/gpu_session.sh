@@ -127,6 +127,10 @@ part() {
               --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1ab_${AB_VAR}_$v-$i.json 2>&1 \
               | grep -E "full_decode|piecewise|mode" | sed "s/^/$AB_VAR=$v run $i /"
           done; done ;;
+    warmcheck) for v in 0 1; do   # scripts/graph_warmup_check.py with PCG_FULL_GRAPH_WARMUP_EVERY=0, then 1
+            PCG_FULL_GRAPH_WARMUP_EVERY=$v timeout $(lim 120) python3 scripts/graph_warmup_check.py --model $(model qwen3-0.6b) \
+              --out $OUT/warmcheck$v 2>&1 | tail -40
+          done ;;
     p5prof) timeout $(lim 240) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06_prof.json \
           --profile-dir $OUT/p5prof 2>&1 | tail -9 ;;   # p5 with a cProfile of each run (cold.txt, warm.txt, ...)
     kernels) timeout $(lim 150) python3 scripts/bench_kernels.py ${KERNELS_ARGS:-} --json $OUT/kernels.json 2>&1 | tail -30 ;;
