@@ -30,16 +30,18 @@ from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.compile.cuda_graph import GraphPool, capture
 from pcg_engine.kernels import pdl
 
-# Warm-up forwards before the first (largest) bucket's capture (compile/cuda_graph.capture). One
-# makes every lazy thing that is not per shape happen outside the capture: the capture stream's
-# cuBLAS workspace, the per-device buffers of the attention backend, PDL's variants (the kernels
-# are compiled by then, engine/precompile.py). Each is a whole eager forward, 14-28 ms of host on
-# the H200's CPU (scripts/forward_host.py), so the smaller buckets capture straight away: what is
-# left per shape is cuBLAS's choice of kernel (host only) and the first launch of a Triton variant,
-# whose module load the driver allows inside a capture since CUDA 12.3; the largest bucket's
-# warm-up allocated everything a smaller one needs. History: session 1 warmed every bucket twice,
-# session 12 once (P5 capture -1.05 s warm). PCG_FULL_GRAPH_WARMUPS=N (N warm-ups) and
-# PCG_FULL_GRAPH_WARMUP_EVERY=1 (warm every bucket, as before) are read at import, for A/B runs.
+# Warm-up forwards before each bucket's capture (compile/cuda_graph.capture). One makes every lazy
+# thing happen outside the capture (stream workspaces, module loads, PDL variants; the kernels are
+# compiled by then, engine/precompile.py). Session 1 ran two, before the pre-compile pass existed;
+# each is a whole eager forward, 14-28 ms of host a bucket on the H200's CPU (scripts/forward_host.py).
+# One instead of two: P5 capture -1.05 s warm, -0.86 s cold (docs/PERF.md, session 12).
+# A warm-up before the largest bucket only (PCG_FULL_GRAPH_WARMUP_EVERY=0) cut a warm start's
+# capture by another 0.8 s and the GPU graph tests passed, but batch-1 decode then took 0.885 ms a
+# token against 0.862, alternated on one H200 (session 13): the graphs were the same (199 kernels,
+# 708 us a replay either way, scripts/graph_warmup_check.py) and so were the step's kernels; what
+# changed was the host, 1.5-1.7x slower in every phase of a step, scheduling included. Not
+# understood, so every bucket keeps its warm-up. PCG_FULL_GRAPH_WARMUPS=N and
+# PCG_FULL_GRAPH_WARMUP_EVERY=0|1 are read at import, for A/B runs.
 def _warmups_switch() -> int:
     try:
         return max(1, int(os.environ.get("PCG_FULL_GRAPH_WARMUPS", "1")))
@@ -48,7 +50,13 @@ def _warmups_switch() -> int:
 
 
 DEFAULT_WARMUPS = _warmups_switch()
-WARM_EVERY_BUCKET = os.environ.get("PCG_FULL_GRAPH_WARMUP_EVERY", "0") == "1"
+
+
+def _warm_every_switch() -> bool:
+    return os.environ.get("PCG_FULL_GRAPH_WARMUP_EVERY", "1") != "0"
+
+
+WARM_EVERY_BUCKET = _warm_every_switch()
 
 
 def default_decode_buckets(max_num_seqs: int) -> list[int]:

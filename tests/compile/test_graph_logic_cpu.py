@@ -160,18 +160,19 @@ def test_full_decode_graph_logic(tiny_dense, dense_eager, monkeypatch):
     monkeypatch.setattr(full_graph, "capture", fake_capture)
     pool = cuda_graph.GraphPool(torch.device("cpu"))
     pool.enabled = True
-    # The A/B switch's old behaviour first: every bucket warms up
-    every = full_graph.FullDecodeGraphs(runner, [1, 2, 4, 8], pool=pool, warmups=2, warm_every_bucket=True)
+    # The A/B switch's other setting first: only the first capture, the largest bucket, warms up
+    first = full_graph.FullDecodeGraphs(runner, [1, 2, 4, 8], pool=pool, warmups=2, warm_every_bucket=False)
     CAPTURE_CALLS.clear()
-    every.capture_all()
-    assert [w for _, w in CAPTURE_CALLS] == [2] * 4 and every.warmup_runs == 8
-    graphs = full_graph.FullDecodeGraphs(runner, [1, 2, 4, 8], pool=pool, warm_every_bucket=False)
+    first.capture_all()
+    assert [w for _, w in CAPTURE_CALLS] == [2, 0, 0, 0] and first.warmup_runs == 2
+    graphs = full_graph.FullDecodeGraphs(runner, [1, 2, 4, 8], pool=pool)
+    assert graphs.warm_every_bucket == full_graph.WARM_EVERY_BUCKET
+    graphs.warm_every_bucket = True     # the default unless the environment switches it
     CAPTURE_CALLS.clear()
     graphs.capture_all()
     assert graphs.captures == {1: 1, 2: 1, 4: 1, 8: 1}
-    # by default only the first capture, the largest bucket, warms up
-    assert [w for _, w in CAPTURE_CALLS] == [full_graph.DEFAULT_WARMUPS, 0, 0, 0]
-    assert graphs.warmup_runs == full_graph.DEFAULT_WARMUPS
+    assert [w for _, w in CAPTURE_CALLS] == [full_graph.DEFAULT_WARMUPS] * 4   # a warm-up a bucket
+    assert graphs.warmup_runs == 4 * full_graph.DEFAULT_WARMUPS
     assert [graphs.bucket_for(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     meta = graphs.metadata(4)
     assert (meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (4, 4, 1, runner.max_model_len)
@@ -194,7 +195,14 @@ def test_full_decode_graph_logic(tiny_dense, dense_eager, monkeypatch):
 
 
 def test_full_graph_warmups_switch(monkeypatch):
-    """PCG_FULL_GRAPH_WARMUPS: 1 by default, at least 1, and a bad value never stops a start."""
+    """PCG_FULL_GRAPH_WARMUPS: 1 by default, at least 1, and a bad value never stops a start;
+    PCG_FULL_GRAPH_WARMUP_EVERY: on unless set to 0."""
+    for value, expected in [(None, True), ("0", False), ("1", True), ("yes", True)]:
+        if value is None:
+            monkeypatch.delenv("PCG_FULL_GRAPH_WARMUP_EVERY", raising=False)
+        else:
+            monkeypatch.setenv("PCG_FULL_GRAPH_WARMUP_EVERY", value)
+        assert full_graph._warm_every_switch() is expected, value
     for value, expected in [(None, 1), ("2", 2), ("0", 1), ("-3", 1), ("two", 1), ("", 1)]:
         if value is None:
             monkeypatch.delenv("PCG_FULL_GRAPH_WARMUPS", raising=False)
