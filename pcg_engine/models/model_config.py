@@ -187,7 +187,12 @@ def read_config(path) -> ModelConfig:
     """<checkpoint>/config.json -> ModelConfig; never runs checkpoint code."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+        from pcg_engine.models.presets import PRESETS   # imported here: only this message needs it
+        hint = ""
+        if str(path) in PRESETS:   # LLM("tiny-qwen3"): the CLI's --model takes preset names, LLM does not
+            hint = (f"; {str(path)!r} is a preset name: build it with `pcg make-model --preset {path} --out DIR` "
+                    "and pass DIR")
+        raise CheckpointError(f"{path}: checkpoint directory does not exist{hint}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing (a Hugging Face checkpoint needs config.json)")

@@ -242,6 +242,15 @@ def test_missing_directory(tmp_path):
     assert str(missing) in msg and "does not exist" in msg
 
 
+def test_missing_directory_named_like_a_preset(tmp_path, monkeypatch):
+    """LLM("tiny-qwen3") is not a checkpoint (the CLI's --model takes preset names, LLM does not):
+    the error says how to build one."""
+    monkeypatch.chdir(tmp_path)
+    msg = load_error("tiny-qwen3")
+    assert "does not exist" in msg and "preset name" in msg and "pcg make-model --preset tiny-qwen3" in msg
+    assert "preset" not in load_error(tmp_path / "nope")
+
+
 def test_missing_config(ckpt_copy):
     (ckpt_copy / "config.json").unlink()
     msg = load_error(ckpt_copy)
