@@ -5,6 +5,7 @@ instead of silently running a default.
 """
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -86,16 +87,23 @@ class EngineConfig:
         def check(name, ok, allowed):
             if not ok:
                 raise ConfigError(name, f"got {getattr(self, name)!r}; allowed: {allowed}")
-        check("block_size", isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+
+        def is_int(v):   # True and False are ints to Python; not a count or a size here
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_real(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        check("block_size", is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
               "a power of two from 1 to 128")
-        check("num_kv_blocks", self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int)
+        check("num_kv_blocks", self.num_kv_blocks is None or (is_int(self.num_kv_blocks)
                                                                 and self.num_kv_blocks >= 2), "None or an int >= 2")
-        check("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "(0, 1]")
-        check("cpu_kv_blocks", isinstance(self.cpu_kv_blocks, int) and self.cpu_kv_blocks >= 2, "an int >= 2")
-        check("max_num_seqs", isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096, "1..4096")
-        check("max_num_batched_tokens", isinstance(self.max_num_batched_tokens, int)
+        check("gpu_memory_utilization", is_real(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+              "a number in (0, 1]")
+        check("cpu_kv_blocks", is_int(self.cpu_kv_blocks) and self.cpu_kv_blocks >= 2, "an int >= 2")
+        check("max_num_seqs", is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 4096, "1..4096")
+        check("max_num_batched_tokens", is_int(self.max_num_batched_tokens)
               and self.max_num_batched_tokens >= 1, "an int >= 1")
-        check("max_model_len", self.max_model_len is None or (isinstance(self.max_model_len, int)
+        check("max_model_len", self.max_model_len is None or (is_int(self.max_model_len)
                                                                 and self.max_model_len >= 2), "None or an int >= 2")
         check("device", isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
               "auto, cpu, cuda or cuda:N")
@@ -103,14 +111,22 @@ class EngineConfig:
         check("attention_backend", self.attention_backend in ("auto", "torch", "triton"), "auto, torch, triton")
         check("dtype", self.dtype in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
               "auto, bfloat16, float16, float32")
-        check("max_capture_tokens", isinstance(self.max_capture_tokens, int) and self.max_capture_tokens >= 1,
+        check("max_capture_tokens", is_int(self.max_capture_tokens) and self.max_capture_tokens >= 1,
               "an int >= 1")
         check("kernel_warmup", self.kernel_warmup is None or isinstance(self.kernel_warmup, bool),
               "None, True or False")
-        check("gc_freeze", isinstance(self.gc_freeze, bool), "True or False")
+        for name in ("fuse", "enable_prefix_caching", "compile_cache", "show_progress", "gc_freeze"):
+            check(name, isinstance(getattr(self, name), bool), "True or False")
+        for name in ("kernels", "async_scheduling"):
+            check(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None, True or False")
+        # torch.manual_seed's range
+        check("seed", is_int(self.seed) and -2**63 <= self.seed < 2**64, "an int in [-2**63, 2**64)")
+        check("compile_cache_dir", self.compile_cache_dir is None or isinstance(self.compile_cache_dir, (str, os.PathLike)),
+              "None or a directory path")
         for name in ("cudagraph_buckets", "decode_buckets"):
             value = getattr(self, name)
-            check(name, value is None or (len(value) > 0 and all(isinstance(b, int) and b >= 1 for b in value)),
+            check(name, value is None or (isinstance(value, (list, tuple)) and len(value) > 0
+                                          and all(is_int(b) and b >= 1 for b in value)),
                   "None or a non-empty list of ints >= 1")
 
     @classmethod

@@ -29,7 +29,19 @@ from pcg_engine.config import EngineConfig, default_buckets
 from pcg_engine.engine.input_batch import InputBatch, StepInputs
 from pcg_engine.engine import precompile
 from pcg_engine.engine.precompile import VariantCounter
-from pcg_engine.models.loader import load_model
+from pcg_engine.errors import ConfigError
+from pcg_engine.models.loader import load_config, load_model
+
+
+def _check_max_model_len(config: EngineConfig, model_path) -> None:
+    """max_model_len beyond the checkpoint's max_position_embeddings: positions the model was not
+    trained for (this engine applies plain RoPE, no scaling), and per-row buffers sized for them."""
+    if config.max_model_len is None:
+        return
+    limit = load_config(model_path).max_position_embeddings
+    if config.max_model_len > limit:
+        raise ConfigError("max_model_len", f"got {config.max_model_len}; allowed: 2..{limit} (the checkpoint's "
+                                           "max_position_embeddings)")
 
 
 class ModelRunner:
@@ -37,6 +49,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.timings: dict[str, float] = {}
+        _check_max_model_len(config, model_path)   # before the weights: config.json alone decides
         self.dtype = config.torch_dtype(device.type)
         t0 = time.perf_counter()
         if device.type == "cuda":    # the CUDA context: seconds on a first use, not weight loading

@@ -22,6 +22,45 @@ def test_device_forms_accepted(device):
     assert EngineConfig(device=device).device == device
 
 
+@pytest.mark.parametrize("field, value, allowed", [
+    ("seed", "s", "an int in"), ("seed", 2**64, "an int in"), ("seed", 1.5, "an int in"),
+    ("async_scheduling", "yes", "None, True or False"), ("kernels", "nope", "None, True or False"),
+    ("enable_prefix_caching", 2, "True or False"), ("fuse", None, "True or False"),
+    ("compile_cache", "no", "True or False"), ("show_progress", 1, "True or False"),
+    ("compile_cache_dir", 123, "None or a directory path"),
+    ("gpu_memory_utilization", "0.5", "a number in (0, 1]"), ("gpu_memory_utilization", True, "a number in (0, 1]"),
+    ("max_num_seqs", True, "1..4096"), ("block_size", 16.0, "a power of two"),
+    ("cudagraph_buckets", "8", "None or a non-empty list"), ("decode_buckets", [1, True], "None or a non-empty list"),
+])
+def test_field_of_the_wrong_type_is_named(field, value, allowed):
+    """Before, these reached torch (seed: a RuntimeError from manual_seed), compared a string with
+    a number (TypeError), or were taken as truthy values without a word."""
+    with pytest.raises(ConfigError, match=f"{field}: got ") as e:
+        EngineConfig(**{field: value})
+    assert e.value.field == field and allowed in str(e.value)
+
+
+def test_fields_of_the_right_type_still_pass(tmp_path):
+    config = EngineConfig(seed=-1, async_scheduling=False, kernels=None, compile_cache_dir=tmp_path,
+                          gpu_memory_utilization=1, cudagraph_buckets=(1, 8), decode_buckets=[1, 2])
+    assert config.seed == -1 and config.compile_cache_dir == tmp_path
+
+
+def test_max_model_len_beyond_the_checkpoint_is_refused(tiny_paths):
+    """max_model_len above config.json's max_position_embeddings (4096 for tiny-qwen3) is refused
+    before the weights load; up to it is fine."""
+    from engine_helpers import make_llm
+    from pcg_engine.models.loader import load_config
+    path = tiny_paths["tiny-qwen3"]
+    limit = load_config(path).max_position_embeddings
+    with pytest.raises(ConfigError, match=f"max_model_len: got {limit + 1}; allowed: 2..{limit} ") as e:
+        make_llm(path, max_model_len=limit + 1)
+    assert e.value.field == "max_model_len"
+    llm = make_llm(path, max_model_len=limit)
+    assert llm.engine.max_model_len == limit
+    llm.close()
+
+
 def test_cpu_device_resolves_to_itself():
     assert EngineConfig(device="cpu").resolved_device() == "cpu"
 
