@@ -54,6 +54,7 @@ def _read_prompts(args) -> list[str]:
 
 def cmd_generate(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from pcg_engine.errors import PcgError
@@ -94,7 +95,9 @@ def cmd_generate(args) -> int:
             outs = llm.generate(prompts, params)
         gen_s = time.perf_counter() - t1
     except (PcgError, ValueError) as e:
-        err.print(f"[red]error:[/red] {e}")
+        # escape: a message quoting a path or stop string with [brackets] is not rich markup;
+        # soft_wrap: one line, whatever the terminal's width (logs get grepped)
+        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
     for prompt, out in zip(prompts, outs):
         if args.json:

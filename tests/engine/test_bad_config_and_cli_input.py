@@ -121,3 +121,13 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_generate", interrupted)
     assert cli.main(["generate", "--prompt", "hi"]) == 130
     assert capsys.readouterr().err.strip() == "pcg: interrupted"
+
+
+def test_generate_error_is_one_line_with_brackets_kept(tmp_path, capsys):
+    """An error that quotes user text with [brackets] prints it as is (not as rich markup), on one
+    line however narrow the terminal."""
+    from pcg_engine import cli
+    missing = tmp_path / ("deep" * 20) / "model[bold]x"
+    assert cli.main(["generate", "--model", str(missing), "--prompt", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {missing}: checkpoint directory does not exist"
