@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine.llm_engine import LLMEngine
+from pcg_engine.errors import InvalidRequestError
 from pcg_engine.outputs import RequestOutput
 from pcg_engine.sampling_params import SamplingParams
 
@@ -35,8 +36,11 @@ class LLM:
         field) without running the others half-way. If the call is stopped by an exception (the
         callback raising, Ctrl-C), the requests it queued are aborted: the next call does not run
         them."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        elif not isinstance(prompts, Sequence):
+            raise InvalidRequestError("prompts", "must be a string, a list of token ids, or a list of those; "
+                                                 f"got {type(prompts).__name__}")
         params = self._params_list(sampling_params, len(prompts))
         ids = []
         finals: dict[str, RequestOutput] = {}
@@ -102,8 +106,13 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, (SamplingParams, dict)):
             return [params] * n
+        allowed = "a SamplingParams, a dict of its fields, or a list of those (one per prompt)"
+        if not isinstance(params, Sequence) or isinstance(params, str):
+            raise InvalidRequestError("sampling_params", f"must be {allowed}; got {type(params).__name__}")
         params = list(params)
         if len(params) != n:
-            from pcg_engine.errors import InvalidRequestError
             raise InvalidRequestError("sampling_params", f"{len(params)} given for {n} prompts; give one or {n}")
+        for i, p in enumerate(params):
+            if p is not None and not isinstance(p, (SamplingParams, dict)):
+                raise InvalidRequestError("sampling_params", f"must be {allowed}; item {i} is a {type(p).__name__}")
         return params

@@ -147,6 +147,21 @@ def test_generate_with_one_bad_prompt_runs_none(llm, baseline):
     assert_drained(engine)
 
 
+@pytest.mark.parametrize("prompts, params, field, text", [
+    (None, None, "prompts", "got NoneType"),
+    (7, None, "prompts", "got int"),
+    (["a"], 5, "sampling_params", "got int"),
+    (["a"], "greedy", "sampling_params", "got str"),
+    (["a", "b"], [SamplingParams(), 5], "sampling_params", "item 1 is a int"),
+])
+def test_generate_names_prompts_and_params_of_the_wrong_type(llm, prompts, params, field, text):
+    """Before: TypeErrors from inside generate (len(None), iterating an int). Nothing is queued."""
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(prompts, params)
+    assert info.value.field == field and text in str(info.value)
+    assert_drained(llm.engine)
+
+
 def test_generate_with_a_bad_prompt_leaves_other_requests_running(llm, baseline):
     """A bad prompt in LLM.generate while other requests are in flight (added through the engine):
     they keep running and their outputs reach their owner, not a drain inside generate."""
