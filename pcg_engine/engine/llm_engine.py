@@ -117,6 +117,9 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use by an unfinished request")
+        if params.stop and not self.lazy_tokenizer.available:
+            raise InvalidRequestError("stop", f"stop strings are matched on the output text, but "
+                                      f"{self.lazy_tokenizer.missing()}; use stop_token_ids")
         ids = self._prompt_ids(prompt, prompt_token_ids)
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
@@ -138,9 +141,11 @@ class LLMEngine:
         self.scheduler.check_request(request)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
+        # Without a tokenizer there is no text: outputs carry token ids and an empty text.
         self.detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                                 params.skip_special_tokens)
-                                         if params.detokenize or params.stop else None)
+                                         if (params.detokenize or params.stop) and self.lazy_tokenizer.available
+                                         else None)
         if params.seed is not None:
             self.generators[request_id] = make_generator(params.seed, self.device)
         if params.logprobs is not None:
@@ -152,6 +157,9 @@ class LLMEngine:
             if isinstance(prompt, str):
                 if prompt == "":
                     raise InvalidRequestError("prompt", "is empty; give at least one character or token")
+                if not self.lazy_tokenizer.available:
+                    raise InvalidRequestError("prompt", f"is text, but {self.lazy_tokenizer.missing()}; "
+                                              "give token ids instead")
                 prompt_token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             elif isinstance(prompt, (list, tuple)):
                 prompt_token_ids = prompt

@@ -17,19 +17,34 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 
 
+# Files that hold a vocabulary: a fast tokenizer's, a BPE one's, a SentencePiece model. Without any,
+# transformers 5 still builds the model type's tokenizer class, empty: text encodes to no tokens
+# and every output decodes to "" (seen with a weights-only Qwen3 directory).
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
 class LazyTokenizer:
-    """Loads the checkpoint's tokenizer on first use; `loaded` says whether that has happened."""
+    """Loads the checkpoint's tokenizer on first use; `loaded` says whether that has happened,
+    `available` whether the checkpoint has one at all (a vocabulary file)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self._tokenizer = None
+        self.available = any((self.path / name).is_file() for name in VOCABULARY_FILES)
 
     @property
     def loaded(self) -> bool:
         return self._tokenizer is not None
 
+    def missing(self) -> str:
+        """What to tell a caller who needs text: the checkpoint has no tokenizer."""
+        return f"the checkpoint {self.path} has no tokenizer (none of {', '.join(VOCABULARY_FILES)})"
+
     def get(self):
         if self._tokenizer is None:
+            if not self.available:
+                from pcg_engine.errors import CheckpointError
+                raise CheckpointError(f"{self.missing()}: give prompts as token ids")
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
 
@@ -96,6 +111,8 @@ def eos_token_ids(path: Path, tokenizer=None) -> set[int]:
             ids.update(v for v in value if isinstance(v, int))
     eos = tokenizer_eos_id(path) if isinstance(tokenizer, LazyTokenizer) and not tokenizer.loaded else _UNKNOWN
     if eos is _UNKNOWN:
+        if isinstance(tokenizer, LazyTokenizer) and not tokenizer.available:
+            return ids                    # nothing to ask: generation_config.json's ids only
         loaded = tokenizer.get() if isinstance(tokenizer, LazyTokenizer) else tokenizer
         eos = getattr(loaded, "eos_token_id", None)
     if eos is not None:

@@ -79,3 +79,31 @@ def test_startup_imports_no_transformers(dense_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_checkpoint_without_a_tokenizer(dense_path, tmp_path):
+    """Weights and configs but no vocabulary file: transformers would build an empty tokenizer
+    (text -> no tokens, outputs -> ""). Token-id prompts run, with generation_config.json's EOS;
+    text prompts and stop strings are refused by name; the engine keeps serving."""
+    from pcg_engine.errors import CheckpointError, InvalidRequestError
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(dense_path / name, bare / name)
+    llm = make_llm(bare)
+    engine = llm.engine
+    assert not engine.lazy_tokenizer.available
+    assert engine.eos_token_ids == eos_token_ids(bare, None)
+    with pytest.raises(InvalidRequestError, match="prompt: is text, but the checkpoint .* has no tokenizer"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="stop: stop strings .* use stop_token_ids") as info:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, stop=["x"]))
+    assert info.value.field == "stop"
+    with pytest.raises(CheckpointError, match="has no tokenizer"):
+        llm.tokenizer
+    assert not engine.requests
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.text == ""
+    with_tok = make_llm(dense_path).generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0,
+                                                                          ignore_eos=True))[0]
+    assert out.token_ids == with_tok.token_ids
