@@ -11,6 +11,8 @@ named, a name they do not resolve, two files that disagree) is the tokenizer loa
 import json
 from pathlib import Path
 
+from pcg_engine.errors import CheckpointError
+
 
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
@@ -43,7 +45,6 @@ class LazyTokenizer:
     def get(self):
         if self._tokenizer is None:
             if not self.available:
-                from pcg_engine.errors import CheckpointError
                 raise CheckpointError(f"{self.missing()}: give prompts as token ids")
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
