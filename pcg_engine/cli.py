@@ -8,6 +8,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -32,6 +33,8 @@ def _add_generate(sub):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--dump-graph", default=None, metavar="DIR",
+                   help="compiled modes: write the traced graph, the split graph and each piece's code to DIR")
     p.set_defaults(func=cmd_generate)
 
 
@@ -52,6 +55,22 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
+def _dump_graph(llm, directory: str, err) -> None:
+    """--dump-graph: the compiled forward's graphs (compile/backend.py's dump_graph), or an error in
+    a mode that compiles nothing."""
+    from pcg_engine.errors import ConfigError
+    runner = llm.engine.runner
+    dump = getattr(runner.forward_fn, "dump_graph", None)
+    if dump is None:
+        raise ConfigError("mode", f"--dump-graph needs a compiled mode (compile, piecewise, full_and_piecewise); "
+                                  f"this engine runs {runner.mode!r}")
+    try:
+        paths = dump(directory)
+    except OSError as e:
+        raise SystemExit(f"--dump-graph: cannot write to {directory}: {e.strerror or e}")
+    err.print(f"graph: {len(paths)} files in {directory}", soft_wrap=True, markup=False)
+
+
 def cmd_generate(args) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -68,6 +87,10 @@ def cmd_generate(args) -> int:
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
         config = dict(device=args.device, dtype=args.dtype, mode=args.mode, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
+        if args.dump_graph:
+            # A saved trace keeps Inductor's code, not the pieces' FX graphs: trace this start
+            # (Inductor's code still comes from the compile cache), compile/saved_trace.py.
+            os.environ["PCG_SAVED_TRACE"] = "0"
         t0 = time.perf_counter()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=err, transient=True, disable=args.json) as progress:
@@ -75,6 +98,8 @@ def cmd_generate(args) -> int:
             llm = LLM(args.model, progress=progress, **config)
             progress.update(task, completed=1)
         load_s = time.perf_counter() - t0
+        if args.dump_graph:
+            _dump_graph(llm, args.dump_graph, err)
         if args.chat:
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                          add_generation_prompt=True) for p in prompts]

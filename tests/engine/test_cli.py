@@ -87,3 +87,27 @@ def test_generate_default_model(cli_env, monkeypatch):
     assert [r["token_ids"] for r in rows] == [o.token_ids for o in want]
     assert [r["text"] for r in rows] == [o.text for o in want]
 
+
+
+def test_generate_dump_graph(dense_path, tmp_path, capsys, monkeypatch):
+    """--dump-graph DIR writes the split forward of a compiled mode: the split graph and one file
+    per submodule (2L+1 for L layers: L attention ops between L+1 pieces); in eager mode it is
+    refused."""
+    from pcg_engine import cli
+    from pcg_engine.models.loader import load_config
+    monkeypatch.setenv("PCG_SAVED_TRACE", "1")   # the option sets it to 0 in this process: undone after
+    layers = load_config(dense_path).num_hidden_layers
+    out = tmp_path / "graph"
+    argv = ["generate", "--model", str(dense_path), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+            "--dump-graph", str(out)]
+    assert cli.main(argv + ["--mode", "piecewise"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "split_graph.py" in names
+    pieces = [n for n in names if n[:3].isdigit()]
+    assert len(pieces) == 2 * layers + 1
+    assert sum("splitting op" in (out / n).read_text().splitlines()[0] for n in pieces) == layers
+    # traced in this start even where a saved trace exists, so every piece has its FX code
+    assert "traced_graph.py" in names and all("def forward" in (out / n).read_text() for n in pieces)
+    assert f"graph: {len(names)} files in {out}" in capsys.readouterr().err
+    assert cli.main(argv + ["--mode", "eager"]) == 2
+    assert "error: mode: --dump-graph needs a compiled mode" in capsys.readouterr().err
