@@ -111,3 +111,17 @@ def test_generate_dump_graph(dense_path, tmp_path, capsys, monkeypatch):
     assert f"graph: {len(names)} files in {out}" in capsys.readouterr().err
     assert cli.main(argv + ["--mode", "eager"]) == 2
     assert "error: mode: --dump-graph needs a compiled mode" in capsys.readouterr().err
+
+
+def test_generate_stop(cli_env, dense_path, in_process):
+    """--stop TEXT (repeatable): the output ends before the first stop string, finish reason
+    "stop", as SamplingParams(stop=...) gives in-process."""
+    text = in_process[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    rows = parse_json_lines(pcg(cli_env, "--model", str(dense_path), "--json", "--stop", stop,
+                                "--stop", "\u2603never").stdout)
+    llm = make_llm(dense_path)
+    want = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop, "\u2603never"]))
+    assert rows[0]["text"] == text[:text.index(stop)] and rows[0]["finish_reason"] == "stop"
+    assert [(r["text"], r["finish_reason"]) for r in rows] == [(o.text, o.finish_reason) for o in want]
