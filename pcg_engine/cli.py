@@ -138,8 +138,24 @@ def cmd_generate(args) -> int:
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     err.print(f"[dim]{len(outs)} prompts, {ntok} tokens in {gen_s:.2f} s ({ntok / max(gen_s, 1e-9):.1f} tok/s), "
               f"mean TTFT {1000 * sum(ttfts) / max(len(ttfts), 1):.1f} ms, load {load_s:.1f} s, "
-              f"mode {llm.engine.runner.mode}, device {llm.engine.device}[/dim]")
+              f"mode {llm.engine.runner.mode}, device {llm.engine.device}[/dim]", soft_wrap=True)
+    err.print(f"[dim]{_startup_line(llm.engine.runner.timings, llm.config.compile_cache)}[/dim]", soft_wrap=True)
     return 0
+
+
+def _startup_line(timings: dict, compile_cache: bool = True) -> str:
+    """Where the load time went (ModelRunner.timings): weights, KV cache, and in the compiled modes
+    Dynamo, Inductor (with the compile cache's verdict), capture and the graph pool."""
+    parts = [f"weights {timings.get('weight_load_s', 0.0):.1f} s", f"KV cache {timings.get('kv_cache_s', 0.0):.1f} s"]
+    if "dynamo_s" in timings:
+        cache = " (compile cache off)" if not compile_cache else {
+            1.0: " (compile cache hit)", 0.0: " (compiled; cached for the next start)"}.get(timings.get("compile_cache_hit"), "")
+        parts += [f"Dynamo {timings['dynamo_s']:.1f} s", f"Inductor {timings.get('inductor_s', 0.0):.1f} s{cache}"]
+    if timings.get("capture_s"):
+        parts.append(f"capture {timings['capture_s']:.1f} s")
+    if timings.get("graph_pool_mib"):
+        parts.append(f"graph pool {timings['graph_pool_mib']:.0f} MiB")
+    return "start-up: " + ", ".join(parts)
 
 
 def _add_make_model(sub):

@@ -108,7 +108,11 @@ def test_generate_dump_graph(dense_path, tmp_path, capsys, monkeypatch):
     assert sum("splitting op" in (out / n).read_text().splitlines()[0] for n in pieces) == layers
     # traced in this start even where a saved trace exists, so every piece has its FX code
     assert "traced_graph.py" in names and all("def forward" in (out / n).read_text() for n in pieces)
-    assert f"graph: {len(names)} files in {out}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"graph: {len(names)} files in {out}" in err
+    # the load time's split, one line (compile/setup.py's timings)
+    assert len([line for line in err.splitlines() if line.startswith("start-up: weights ")]) == 1
+    assert "Dynamo " in err and "Inductor " in err
     assert cli.main(argv + ["--mode", "eager"]) == 2
     assert "error: mode: --dump-graph needs a compiled mode" in capsys.readouterr().err
 
@@ -125,3 +129,14 @@ def test_generate_stop(cli_env, dense_path, in_process):
     want = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop, "\u2603never"]))
     assert rows[0]["text"] == text[:text.index(stop)] and rows[0]["finish_reason"] == "stop"
     assert [(r["text"], r["finish_reason"]) for r in rows] == [(o.text, o.finish_reason) for o in want]
+
+
+def test_startup_line_parts():
+    from pcg_engine.cli import _startup_line
+    assert _startup_line({"weight_load_s": 1.23, "kv_cache_s": 0.5}) == "start-up: weights 1.2 s, KV cache 0.5 s"
+    t = {"weight_load_s": 0.3, "kv_cache_s": 0.6, "dynamo_s": 2.0, "inductor_s": 0.61, "compile_cache_hit": 1.0,
+         "capture_s": 1.74, "graph_pool_mib": 190.2}
+    assert _startup_line(t) == ("start-up: weights 0.3 s, KV cache 0.6 s, Dynamo 2.0 s, Inductor 0.6 s (compile cache "
+                                "hit), capture 1.7 s, graph pool 190 MiB")
+    assert "(compile cache off)" in _startup_line(dict(t, compile_cache_hit=0.0), compile_cache=False)
+    assert "(compiled; cached for the next start)" in _startup_line(dict(t, compile_cache_hit=0.0))
