@@ -7,7 +7,8 @@
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b M=/tmp/mb HOME=/tmp/hb TORCHINDUCTOR_CACHE_DIR=/tmp/ib bash scripts/gpu_session.sh ...
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test: ~155 tests, ~5 min on one H200;
 # at most 400 s here, TESTS= narrows it), p1 (latency, 0.6B, all
-# modes), p5 (start-up), p5notrace (p5 with PCG_SAVED_TRACE=0), p5warm2 (p5 with PCG_FULL_GRAPH_WARMUPS=2), p5warmfirst (p5 with PCG_FULL_GRAPH_WARMUP_EVERY=0), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0), p2, p3, p3rates (P3 at higher rates),
+# modes), p5 (start-up), p5notrace (p5 with PCG_SAVED_TRACE=0), p5warm2 (p5 with PCG_FULL_GRAPH_WARMUPS=2), p5warmfirst (p5 with PCG_FULL_GRAPH_WARMUP_EVERY=0), p5ab (P5AB=VAR=A,B: one cold start, then warm starts
+# with VAR=A, B, A, B on its caches), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0), p2, p3, p3rates (P3 at higher rates),
 # ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
@@ -46,6 +47,8 @@ part() {
           --json $OUT/p5_q06_warm2.json ${P5_ARGS:-} 2>&1 | tail -9 ;;   # A/B: two warm-ups a full decode graph (compile/full_graph.py)
     p5warmfirst) PCG_FULL_GRAPH_WARMUP_EVERY=0 timeout $(lim 200) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise \
           --json $OUT/p5_q06_warmfirst.json ${P5_ARGS:-} 2>&1 | tail -9 ;;   # A/B: a warm-up before the largest full decode bucket only (compile/full_graph.py)
+    p5ab) timeout $(lim 240) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --warm-ab ${P5AB:?P5AB=VAR=A,B} \
+          --no-cold-bytecode --json $OUT/p5ab.json 2>&1 | tail -14 ;;   # one cold start, then warm starts alternated over the switch
     p5off) PCG_PRECOMPILE=0 timeout $(lim 200) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise \
           --json $OUT/p5_q06_noprecompile.json ${P5_ARGS:-} 2>&1 | tail -8 ;;   # A/B: engine/precompile.py
     p5workers) for w in ${P5_WORKERS:-4 8}; do   # the pre-compile's thread count (engine/precompile.py)

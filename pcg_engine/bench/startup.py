@@ -17,6 +17,11 @@ the no-bytecode worst case there too). A third run, "cold, bytecode", has empty 
 Triton caches again but the bytecode the first two left: the first start of an installed package.
 
     pcg bench startup --model qwen3-0.6b --mode full_and_piecewise --json startup.json
+
+An A/B of a switch read at start-up, on warm starts only (the P5 warm figure moves by seconds
+between machines, so both sides must share one): `--warm-ab PCG_SAVED_TRACE=0,1` runs the cold start
+once, then warm starts with the variable set to 0, 1, 0, 1 (`--warm-repeats` rounds) over its
+caches; `--no-cold-bytecode` skips the third run.
 """
 
 import argparse
@@ -54,8 +59,8 @@ print("PCG_READY " + json.dumps({"timings": {"imports_s": imports_s, **runner.ti
 
 
 def run_once(model: str, config: dict, cache_root: str, profile_path: str | None = None,
-             pycache: str | None = None) -> dict:
-    env = dict(os.environ)
+             pycache: str | None = None, extra_env: dict | None = None) -> dict:
+    env = dict(os.environ, **(extra_env or {}))
     if profile_path:
         env["PCG_STARTUP_PROFILE"] = profile_path
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, "inductor")
@@ -78,6 +83,15 @@ def run_once(model: str, config: dict, cache_root: str, profile_path: str | None
     return {"ready_s": ready, **info}
 
 
+def _ab_switch(text: str) -> tuple[str, list[str]]:
+    """--warm-ab's VAR=A,B[,C...]: an environment variable and the values to alternate."""
+    var, sep, values = text.partition("=")
+    items = values.split(",")
+    if not sep or not var or not var.replace("_", "").isalnum() or len(items) < 2:
+        raise argparse.ArgumentTypeError(f"must be VAR=A,B (an environment variable and two or more values), got {text!r}")
+    return var, items
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pcg bench startup", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-qwen3")
@@ -86,6 +100,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int_at_least(1), default=256)
     p.add_argument("--json", default=None)
     p.add_argument("--profile-dir", default=None, help="write a cProfile summary of each run (cold.txt, warm.txt) here")
+    p.add_argument("--warm-ab", default=None, type=_ab_switch, metavar="VAR=A,B",
+                   help="an A/B of warm starts: after the cold run, warm runs with the environment variable VAR "
+                        "set to A, B, A, B, ... (--warm-repeats rounds) instead of the one plain warm run")
+    p.add_argument("--warm-repeats", type=int_at_least(1), default=2, help="rounds of --warm-ab (default 2)")
+    p.add_argument("--no-cold-bytecode", action="store_true", help="skip the third run (cold, bytecode)")
     args = p.parse_args(argv)
     model = resolve_model(args.model)
     config = {"mode": args.mode, "device": args.device, "max_num_seqs": args.max_num_seqs}
@@ -95,15 +114,29 @@ def main(argv=None) -> int:
         if args.profile_dir:
             os.makedirs(args.profile_dir, exist_ok=True)
         cold = run_once(model, config, root, prof("cold"))
-        warm = run_once(model, config, root, prof("warm"))
-        # Empty compile caches again, with the bytecode the two runs left: an installed package's first start.
-        fresh = os.path.join(root, "fresh")
-        os.makedirs(fresh, mode=0o700)
-        cold_bytecode = run_once(model, config, fresh, prof("cold_bytecode"), pycache=os.path.join(root, "pycache"))
+        runs = [("cold", cold)]
+        if args.warm_ab is None:
+            warm = run_once(model, config, root, prof("warm"))
+            runs.append(("warm", warm))
+        else:   # alternated on this machine, one cache: what the A/B compares is the switch alone
+            var, values = args.warm_ab
+            warm = []
+            for i in range(args.warm_repeats):
+                for value in values:
+                    r = run_once(model, config, root, prof(f"warm_{var}_{value}_{i + 1}"), extra_env={var: value})
+                    warm.append({"env": {var: value}, "round": i + 1, **r})
+                    runs.append((f"warm {var}={value} #{i + 1}", r))
+        cold_bytecode = None
+        if not args.no_cold_bytecode:
+            # Empty compile caches again, with the bytecode the two runs left: an installed package's first start.
+            fresh = os.path.join(root, "fresh")
+            os.makedirs(fresh, mode=0o700)
+            cold_bytecode = run_once(model, config, fresh, prof("cold_bytecode"), pycache=os.path.join(root, "pycache"))
+            runs.append(("cold, bytecode", cold_bytecode))
     rows = []
     parts = ("imports_s", "device_init_s", "weight_load_s", "kv_cache_s", "dynamo_s", "inductor_s", "precompile_s",
              "capture_s", "warmup_s", "gc_freeze_s")
-    for name, r in (("cold", cold), ("warm", warm), ("cold, bytecode", cold_bytecode)):
+    for name, r in runs:
         t = r["timings"]
         other = r["ready_s"] - sum(t.get(k) or 0.0 for k in parts)   # interpreter start, engine objects
         rows.append([name, r["ready_s"], *(t.get(k) for k in parts), other, t.get("graph_pool_mib"),

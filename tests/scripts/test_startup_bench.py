@@ -27,3 +27,30 @@ def test_children_share_a_private_pycache_prefix(monkeypatch, tmp_path):
     assert cold["PYTHONPYCACHEPREFIX"] == warm["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pycache")
     assert cold["TRITON_CACHE_DIR"].startswith(str(tmp_path))
     assert "PYTHONDONTWRITEBYTECODE" not in cold and "PYTHONDONTWRITEBYTECODE" not in warm
+
+
+def test_warm_ab_alternates_the_switch_over_one_cache(monkeypatch, tmp_path, capsys):
+    """--warm-ab VAR=A,B: one cold run, then warm runs with VAR = A, B, A, B on the cold run's
+    caches; --no-cold-bytecode leaves out the third kind of run."""
+    monkeypatch.setattr(startup.subprocess, "Popen", FakeChild)
+    monkeypatch.setattr(startup, "env_record", lambda model, device: {})   # it runs git through subprocess
+    monkeypatch.delenv("PCG_X", raising=False)
+    FakeChild.envs.clear()
+    out = tmp_path / "ab.json"
+    assert startup.main(["--model", str(tmp_path), "--warm-ab", "PCG_X=0,1", "--no-cold-bytecode",
+                         "--json", str(out)]) == 0
+    envs = FakeChild.envs
+    assert [e.get("PCG_X") for e in envs] == [None, "0", "1", "0", "1"]
+    assert len({e["TRITON_CACHE_DIR"] for e in envs}) == 1          # one cache: the cold run's
+    data = json.loads(out.read_text())
+    assert [(w["env"], w["round"]) for w in data["warm"]] == [({"PCG_X": "0"}, 1), ({"PCG_X": "1"}, 1),
+                                                             ({"PCG_X": "0"}, 2), ({"PCG_X": "1"}, 2)]
+    assert data["cold_bytecode"] is None
+    assert "PCG_X=1 #2" in capsys.readouterr().out      # the row of the last warm run
+
+
+def test_warm_ab_flag_is_checked(tmp_path):
+    import pytest
+    for bad in ("PCG_X", "PCG_X=1", "=0,1", "A-B=0,1"):
+        with pytest.raises(SystemExit):
+            startup.main(["--model", str(tmp_path), "--warm-ab", bad])
