@@ -20,8 +20,9 @@ Triton caches again but the bytecode the first two left: the first start of an i
 
 An A/B of a switch read at start-up, on warm starts only (the P5 warm figure moves by seconds
 between machines, so both sides must share one): `--warm-ab PCG_SAVED_TRACE=0,1` runs the cold start
-once, then warm starts with the variable set to 0, 1, 0, 1 (`--warm-repeats` rounds) over its
-caches; `--no-cold-bytecode` skips the third run.
+with the variable at 0, one start at 1 to fill that value's compile-cache entry (PCG_* switches are
+in the cache's key), then warm starts at 0, 1, 0, 1 (`--warm-repeats` rounds) over those caches;
+`--no-cold-bytecode` skips the third run.
 """
 
 import argparse
@@ -113,13 +114,21 @@ def main(argv=None) -> int:
         prof = (lambda name: os.path.join(args.profile_dir, f"{name}.txt")) if args.profile_dir else (lambda name: None)
         if args.profile_dir:
             os.makedirs(args.profile_dir, exist_ok=True)
-        cold = run_once(model, config, root, prof("cold"))
-        runs = [("cold", cold)]
+        first = {args.warm_ab[0]: args.warm_ab[1][0]} if args.warm_ab else None
+        cold = run_once(model, config, root, prof("cold"), extra_env=first)
+        runs = [("cold" if first is None else f"cold {args.warm_ab[0]}={args.warm_ab[1][0]}", cold)]
+        primes = []
         if args.warm_ab is None:
             warm = run_once(model, config, root, prof("warm"))
             runs.append(("warm", warm))
         else:   # alternated on this machine, one cache: what the A/B compares is the switch alone
             var, values = args.warm_ab
+            # PCG_* switches are part of the compile cache's key (compile/cache.py): each other value
+            # first fills its own entry, so that every alternated run below is a warm start.
+            for value in values[1:]:
+                r = run_once(model, config, root, prof(f"prime_{var}_{value}"), extra_env={var: value})
+                primes.append({"env": {var: value}, **r})
+                runs.append((f"prime {var}={value}", r))
             warm = []
             for i in range(args.warm_repeats):
                 for value in values:
@@ -145,5 +154,7 @@ def main(argv=None) -> int:
                                                 "dynamo s", "inductor s", "pre-compile s", "capture s", "warm-up s", "gc freeze s",
                                                 "other s", "graph pool MiB", "late variants", "trace loaded"], rows)
     if args.json:
-        write_json(args.json, {"cold": cold, "warm": warm, "cold_bytecode": cold_bytecode, "config": config, **env_record(model, args.device)})
+        write_json(args.json, {"cold": cold, "warm": warm, "cold_bytecode": cold_bytecode, "config": config,
+                               **({"primes": primes, "warm_ab": args.warm_ab[0]} if args.warm_ab else {}),
+                               **env_record(model, args.device)})
     return 0

@@ -30,8 +30,9 @@ def test_children_share_a_private_pycache_prefix(monkeypatch, tmp_path):
 
 
 def test_warm_ab_alternates_the_switch_over_one_cache(monkeypatch, tmp_path, capsys):
-    """--warm-ab VAR=A,B: one cold run, then warm runs with VAR = A, B, A, B on the cold run's
-    caches; --no-cold-bytecode leaves out the third kind of run."""
+    """--warm-ab VAR=A,B: a cold run with VAR=A, a start with VAR=B (its compile-cache entry), then
+    warm runs with VAR = A, B, A, B on those caches; --no-cold-bytecode leaves out the third kind of
+    run."""
     monkeypatch.setattr(startup.subprocess, "Popen", FakeChild)
     monkeypatch.setattr(startup, "env_record", lambda model, device: {})   # it runs git through subprocess
     monkeypatch.delenv("PCG_X", raising=False)
@@ -40,12 +41,13 @@ def test_warm_ab_alternates_the_switch_over_one_cache(monkeypatch, tmp_path, cap
     assert startup.main(["--model", str(tmp_path), "--warm-ab", "PCG_X=0,1", "--no-cold-bytecode",
                          "--json", str(out)]) == 0
     envs = FakeChild.envs
-    assert [e.get("PCG_X") for e in envs] == [None, "0", "1", "0", "1"]
+    # cold at the first value, one start priming the other's cache entry, then the alternation
+    assert [e.get("PCG_X") for e in envs] == ["0", "1", "0", "1", "0", "1"]
     assert len({e["TRITON_CACHE_DIR"] for e in envs}) == 1          # one cache: the cold run's
     data = json.loads(out.read_text())
     assert [(w["env"], w["round"]) for w in data["warm"]] == [({"PCG_X": "0"}, 1), ({"PCG_X": "1"}, 1),
                                                              ({"PCG_X": "0"}, 2), ({"PCG_X": "1"}, 2)]
-    assert data["cold_bytecode"] is None
+    assert data["cold_bytecode"] is None and [p["env"] for p in data["primes"]] == [{"PCG_X": "1"}]
     assert "PCG_X=1 #2" in capsys.readouterr().out      # the row of the last warm run
 
 
