@@ -36,7 +36,8 @@ def _add_generate(sub):
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--dump-graph", default=None, metavar="DIR",
-                   help="compiled modes: write the traced graph, the split graph and each piece's code to DIR")
+                   help="compiled modes: write the traced graph, the split graph and each piece's code to DIR "
+                        "(this start traces afresh, under its own compile-cache entry: the first such start compiles)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -91,7 +92,8 @@ def cmd_generate(args) -> int:
                       max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
         if args.dump_graph:
             # A saved trace keeps Inductor's code, not the pieces' FX graphs: trace this start
-            # (Inductor's code still comes from the compile cache), compile/saved_trace.py.
+            # (compile/saved_trace.py). The switch is part of the compile cache's key, so the first
+            # start with it compiles its own entry.
             os.environ["PCG_SAVED_TRACE"] = "0"
         t0 = time.perf_counter()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
