@@ -55,28 +55,26 @@ class _Timers:
         self.by_kernel: Counter = Counter()
 
     def __enter__(self):
-        run = self.run = self.JITFunction.run
+        self.run = self.JITFunction.run
+        self.JITFunction.run = self._timed(self.run, "jit_s", count=True)
+        if self.launcher_cls is not None:
+            self.call = self.launcher_cls.__call__
+            self.launcher_cls.__call__ = self._timed(self.call, "launch_s")
+        return self
+
+    def _timed(self, method, total: str, count: bool = False):
+        """method, adding its wall time to self.<total> (and counting calls by kernel name)."""
         timers = self
 
-        def timed_run(fn, *args, **kwargs):
+        def timed(obj, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return run(fn, *args, **kwargs)
+                return method(obj, *args, **kwargs)
             finally:
-                timers.jit_s += time.perf_counter() - t0
-                timers.by_kernel[fn.__name__] += 1
-        self.JITFunction.run = timed_run
-        if self.launcher_cls is not None:
-            call = self.call = self.launcher_cls.__call__
-
-            def timed_call(launcher, *args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return call(launcher, *args, **kwargs)
-                finally:
-                    timers.launch_s += time.perf_counter() - t0
-            self.launcher_cls.__call__ = timed_call
-        return self
+                setattr(timers, total, getattr(timers, total) + time.perf_counter() - t0)
+                if count:
+                    timers.by_kernel[obj.__name__] += 1
+        return timed
 
     def __exit__(self, *exc):
         self.JITFunction.run = self.run

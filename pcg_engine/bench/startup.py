@@ -93,6 +93,26 @@ def _ab_switch(text: str) -> tuple[str, list[str]]:
     return var, items
 
 
+def _warm_ab(model: str, config: dict, root: str, prof, var: str, values: list[str], repeats: int):
+    """--warm-ab: a cold start with var at the first value; one start at each other value, which
+    fills that value's compile-cache entry (PCG_* switches are part of the key, compile/cache.py);
+    then `repeats` rounds of warm starts over the values, all on this machine and these caches.
+    Returns (cold, primes, warm, runs), runs being the (label, result) rows of the table."""
+    cold = run_once(model, config, root, prof("cold"), extra_env={var: values[0]})
+    runs = [(f"cold {var}={values[0]}", cold)]
+    primes, warm = [], []
+    for value in values[1:]:
+        r = run_once(model, config, root, prof(f"prime_{var}_{value}"), extra_env={var: value})
+        primes.append({"env": {var: value}, **r})
+        runs.append((f"prime {var}={value}", r))
+    for i in range(repeats):
+        for value in values:
+            r = run_once(model, config, root, prof(f"warm_{var}_{value}_{i + 1}"), extra_env={var: value})
+            warm.append({"env": {var: value}, "round": i + 1, **r})
+            runs.append((f"warm {var}={value} #{i + 1}", r))
+    return cold, primes, warm, runs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pcg bench startup", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-qwen3")
@@ -114,27 +134,12 @@ def main(argv=None) -> int:
         prof = (lambda name: os.path.join(args.profile_dir, f"{name}.txt")) if args.profile_dir else (lambda name: None)
         if args.profile_dir:
             os.makedirs(args.profile_dir, exist_ok=True)
-        first = {args.warm_ab[0]: args.warm_ab[1][0]} if args.warm_ab else None
-        cold = run_once(model, config, root, prof("cold"), extra_env=first)
-        runs = [("cold" if first is None else f"cold {args.warm_ab[0]}={args.warm_ab[1][0]}", cold)]
-        primes = []
         if args.warm_ab is None:
+            cold = run_once(model, config, root, prof("cold"))
             warm = run_once(model, config, root, prof("warm"))
-            runs.append(("warm", warm))
-        else:   # alternated on this machine, one cache: what the A/B compares is the switch alone
-            var, values = args.warm_ab
-            # PCG_* switches are part of the compile cache's key (compile/cache.py): each other value
-            # first fills its own entry, so that every alternated run below is a warm start.
-            for value in values[1:]:
-                r = run_once(model, config, root, prof(f"prime_{var}_{value}"), extra_env={var: value})
-                primes.append({"env": {var: value}, **r})
-                runs.append((f"prime {var}={value}", r))
-            warm = []
-            for i in range(args.warm_repeats):
-                for value in values:
-                    r = run_once(model, config, root, prof(f"warm_{var}_{value}_{i + 1}"), extra_env={var: value})
-                    warm.append({"env": {var: value}, "round": i + 1, **r})
-                    runs.append((f"warm {var}={value} #{i + 1}", r))
+            primes, runs = [], [("cold", cold), ("warm", warm)]
+        else:
+            cold, primes, warm, runs = _warm_ab(model, config, root, prof, *args.warm_ab, args.warm_repeats)
         cold_bytecode = None
         if not args.no_cold_bytecode:
             # Empty compile caches again, with the bytecode the two runs left: an installed package's first start.
