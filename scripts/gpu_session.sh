@@ -18,6 +18,7 @@
 # fwdhost (scripts/forward_host.py: an eager full-decode forward's host ms and its Triton JIT share), p1_rope / p1_8b_rope
 # (P1 full_decode, PCG_FUSED_ROPE_ATTENTION=0/1 alternated twice; ROPE_MODES), p1ab (P1 with AB_VAR=each of AB_VALUES,
 # alternated twice; AB_MODEL, P1_MODES),
+# drift (scripts/host_drift.py with PCG_FULL_GRAPH_WARMUP_EVERY=each of DRIFT_VALUES; DRIFT_MODE, DRIFT_WINDOWS),
 # capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
@@ -38,6 +39,11 @@ part() {
     tests) timeout $(lim 400) $T ${TESTS:-tests --ignore=tests/compile} 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
     p1) timeout $(lim 180) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-eager,full_decode,piecewise,full_and_piecewise} \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06${P1_TAG:-}.json 2>&1 | tail -12 ;;
+    drift) for v in ${DRIFT_VALUES:-0 1}; do   # batch-1 TPOT and each thread's CPU in the seconds after ready (scripts/host_drift.py)
+            PCG_FULL_GRAPH_WARMUP_EVERY=$v timeout $(lim 120) python3 scripts/host_drift.py --model $(model qwen3-0.6b) \
+              --mode ${DRIFT_MODE:-full_decode} --windows ${DRIFT_WINDOWS:-40} --json $OUT/drift_${DRIFT_MODE:-full_decode}_every$v.json 2>&1 \
+              | grep -E "^window" | sed "s/^/every=$v /"
+          done ;;
     p1_noskinny) PCG_SKINNY_GEMM=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_noskinny.json 2>&1 | tail -7 ;;   # the A/B of the skinny GEMM
     p5) timeout $(lim 200) $B startup --model $(model qwen3-0.6b) --mode full_and_piecewise --json $OUT/p5_q06.json ${P5_ARGS:-} 2>&1 | tail -9 ;;

@@ -1,0 +1,107 @@
+"""Does batch-1 decode run slower in the seconds after start-up, and what else uses the CPU then?
+
+    python scripts/host_drift.py --model M [--mode full_decode] [--windows 12] [--tokens 128] [--json F]
+
+Why: with a warm-up before the largest full decode bucket only (PCG_FULL_GRAPH_WARMUP_EVERY=0,
+session 13) batch-1 full_decode read 0.885 ms a token against 0.861, yet the graphs and the
+step's kernels were the same; only the host was slower, every phase of it (pure-Python scheduling
+too) 1.5-1.7x in a short profile, while P1's longer run lost just 2.7%. One explanation fits
+both: something else holding the GIL (a thread) or the core for a while after start-up ends,
+i.e. sooner after ready when start-up is shorter. Piecewise's host-bound TPOT also moved
+1.16-1.46 ms between engine builds.
+
+This builds LLM(model, mode), then runs `windows` back-to-back batch-1 generations of `tokens`
+tokens each (fresh random prompts) and records per window: seconds since ready, TPOT, the CPU
+seconds each thread of this process used (by thread name, from /proc/self/task) and the CPU
+seconds of every child process (from /proc). A TPOT that falls while some thread's CPU falls to
+zero is the answer. Linux only (reads /proc); GPU or CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from pcg_engine.bench import common, latency
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(path: str):
+    """(comm, utime + stime in seconds, ppid) from a /proc stat file, None if it vanished."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    rest = text[text.rindex(")") + 2:].split()
+    # fields after comm: state(0) ppid(1) ... utime(11) stime(12)
+    return comm, (int(rest[11]) + int(rest[12])) / _TICK, int(rest[1])
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds by 'name/tid' for each thread of this process."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        fields = _stat_fields(f"/proc/self/task/{tid}/stat")
+        if fields is not None:
+            out[f"{fields[0]}/{tid}"] = fields[1]
+    return out
+
+
+def child_cpu() -> dict[str, float]:
+    """CPU seconds by 'name/pid' for each live child process of this one."""
+    me, out = os.getpid(), {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            fields = _stat_fields(f"/proc/{pid}/stat")
+            if fields is not None and fields[2] == me:
+                out[f"{fields[0]}/{pid}"] = fields[1]
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0.0}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--mode", default="full_decode")
+    p.add_argument("--windows", type=int, default=12)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+
+    t0 = time.monotonic()
+    llm = common.build_llm(common.resolve_model(args.model), mode=args.mode)
+    ready = time.monotonic()
+    rng = np.random.default_rng(0)
+    pool = common.token_pool(llm)
+    params = common.bench_params(args.tokens)
+    threads, children = thread_cpu(), child_cpu()
+    windows = []
+    for w in range(args.windows):
+        start = time.monotonic() - ready
+        row = latency.one_iteration(llm, common.random_prompts(rng, pool, [args.input_len]), params)[0]
+        now_threads, now_children = thread_cpu(), child_cpu()
+        windows.append({"window": w, "since_ready_s": round(start, 2), "tpot_ms": round(row["tpot_ms"], 4),
+                        "thread_cpu_s": _delta(now_threads, threads), "child_cpu_s": _delta(now_children, children)})
+        threads, children = now_threads, now_children
+        print(f"window {w:2d} +{start:6.2f} s  TPOT {row['tpot_ms']:.3f} ms  threads {windows[-1]['thread_cpu_s']}  "
+              f"children {windows[-1]['child_cpu_s']}", flush=True)
+    payload = {"model": args.model, "mode": args.mode, "start_s": round(ready - t0, 2),
+               "env": {k: v for k, v in os.environ.items() if k.startswith("PCG_")},
+               "threads_at_ready": sorted(thread_cpu()), "windows": windows, "commit": common.git_commit()}
+    common.write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
