@@ -18,6 +18,7 @@
 # fwdhost (scripts/forward_host.py: an eager full-decode forward's host ms and its Triton JIT share), p1_rope / p1_8b_rope
 # (P1 full_decode, PCG_FUSED_ROPE_ATTENTION=0/1 alternated twice; ROPE_MODES), p1ab (P1 with AB_VAR=each of AB_VALUES,
 # alternated twice; AB_MODEL, P1_MODES),
+# p1tree (P1 of this tree against the base tree in AB_TREE, alternated twice; TREE_VALUES like "base new:VAR=x new"),
 # drift (scripts/host_drift.py with PCG_FULL_GRAPH_WARMUP_EVERY=each of DRIFT_VALUES; DRIFT_MODE, DRIFT_WINDOWS),
 # capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
@@ -135,6 +136,14 @@ part() {
             env ${AB_VAR:?AB_VAR names the switch}=$v timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) \
               --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1ab_${AB_VAR}_$v-$i.json 2>&1 \
               | grep -E "full_decode|piecewise|mode" | sed "s/^/$AB_VAR=$v run $i /"
+          done; done ;;
+    p1tree) for i in 1 2; do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated twice: P1 of this tree ("new") against
+            # the tree unpacked in AB_TREE ("base", e.g. git archive of the commit before a change); "new:VAR=x" adds a switch
+            tree=${v%%:*}; envs=; [ "$tree" != "$v" ] && envs=${v#*:}
+            [ $tree = base ] && pp=$PWD/${AB_TREE:?AB_TREE: the base tree} || pp=$PWD
+            env PYTHONPATH=$pp $envs timeout $(lim 120) python3 -m pcg_engine.cli bench latency --model $(model ${AB_MODEL:-qwen3-0.6b}) \
+              --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1tree_${v//[:=]/_}-$i.json 2>&1 \
+              | grep -E "full_decode|piecewise|mode" | sed "s/^/$v run $i /"
           done; done ;;
     warmcheck) for v in 0 1; do   # scripts/graph_warmup_check.py with PCG_FULL_GRAPH_WARMUP_EVERY=0, then 1
             PCG_FULL_GRAPH_WARMUP_EVERY=$v timeout $(lim 120) python3 scripts/graph_warmup_check.py --model $(model qwen3-0.6b) \

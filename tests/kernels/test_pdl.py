@@ -91,3 +91,68 @@ def test_gpu_pdl_graph_replays_equal_plain_launches(monkeypatch):
     for (h0, r0, c0), (h1, r1, c1) in zip(outs[False], outs[True]):
         assert torch.isfinite(h0.float()).all()
         assert torch.equal(h0, h1) and torch.equal(r0, r1) and torch.equal(c0, c1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("splits", [1, 16])
+def test_gpu_pdl_attention_reads_the_kv_slot_written_just_before(monkeypatch, splits):
+    """Decode attention with PDL reads its metadata and prefetches K/V before gdc_wait: each replay
+    writes a new token's K/V (RoPE + KV write) that attention must see, at a growing seq_len."""
+    from pcg_engine.attention import launch_config
+    from pcg_engine.attention.rope_kv import rope_and_write_kv
+    from pcg_engine.attention.torch_backend import paged_attention_reference
+    from pcg_engine.attention.triton_attention import unified_attention
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(launch_config, "PDL_PREFETCH_TILES", 2)
+    g = torch.Generator(device=dev).manual_seed(1)
+    R, Hq, Hk, D, BS, width = 2, 16, 8, 128, 16, 40
+    cache0 = torch.randn(2, 1 + R * width, BS, Hk, D, device=dev, generator=g).to(bf)
+    perm = torch.randperm(R * width, device=dev, generator=g) + 1      # shuffled block ids, none 0
+    table = perm.view(R, width).to(torch.int32)
+    cos_sin = torch.randn(1024, D, device=dev, generator=g)
+    qn, kn = (torch.randn(D, device=dev, generator=g) + 1).to(bf), (torch.randn(D, device=dev, generator=g) + 1).to(bf)
+    q, k, v = (torch.empty(R, h, D, device=dev, dtype=bf) for h in (Hq, Hk, Hk))
+    pos = torch.empty(R, dtype=torch.long, device=dev)
+    slots = torch.empty(R, dtype=torch.long, device=dev)
+    seq_lens = torch.empty(R, dtype=torch.int32, device=dev)
+    qsl = torch.arange(R + 1, dtype=torch.int32, device=dev)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "_WANTED", on)
+        monkeypatch.setattr(pdl, "_depth", 1)   # as inside pdl.scope()
+        cache = cache0.clone()
+        out = torch.empty(R, Hq, D, device=dev, dtype=bf)
+
+        def step():
+            q_rot = rope_and_write_kv(q, k, v, pos, cos_sin, cache, slots, q_norm=qn, k_norm=kn)
+            unified_attention(q_rot, cache, out, qsl, seq_lens, table, R, 1, D ** -0.5, splits)
+            return q_rot
+
+        def set_inputs(i):
+            gi = torch.Generator(device=dev).manual_seed(100 + i)
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, device=dev, generator=gi))
+            lens = torch.tensor([300 + 7 * i, 517 + 5 * i], device=dev)
+            pos.copy_(lens - 1)
+            seq_lens.copy_(lens)
+            slots.copy_(table.long().gather(1, ((lens - 1) // BS)[:, None])[:, 0] * BS + (lens - 1) % BS)
+        set_inputs(0)
+        step()   # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            q_rot = step()
+        got = []
+        for i in range(1, 4):   # new token, new slot, one more key each replay
+            set_inputs(i)
+            graph.replay()
+            ref = torch.empty_like(out)
+            paged_attention_reference(q_rot.float(), cache.float(), qsl, seq_lens, table, D ** -0.5, ref)
+            torch.cuda.synchronize()
+            assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+            got.append(out.clone())
+        outs[on] = got
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
