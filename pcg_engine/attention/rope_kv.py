@@ -46,8 +46,7 @@ def _rope_kv_kernel(
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # kernels/pdl.py: the next kernel may launch now; this one waits below the metadata
-        gdc_launch_dependents()
+    # PDL (kernels/pdl.py): this kernel waits below the metadata reads, then lets the next launch.
     t = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
@@ -63,6 +62,7 @@ def _rope_kv_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if PDL:
         gdc_wait()   # q, k, v come from the kernel before
+        gdc_launch_dependents()
 
     # q: all heads of the token at once, [HQ_PAD, HALF] per half.
     hq = tl.arange(0, HQ_PAD)[:, None]

@@ -128,8 +128,7 @@ def _unified_attention_kernel(
     DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_TILES: tl.constexpr = 0, PREFETCH_LINES: tl.constexpr = 1,
 ):
-    if PDL:  # kernels/pdl.py: the next kernel may launch now; this one waits below the metadata
-        gdc_launch_dependents()
+    # PDL (kernels/pdl.py): this kernel waits below the metadata reads, then lets the next launch.
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,6 +188,7 @@ def _unified_attention_kernel(
                 prefetch_l2(k_base + rows[:, None] + lines[None, :])
                 prefetch_l2(v_base + rows[:, None] + lines[None, :])
         gdc_wait()   # every program, before any exit (kernels/pdl.py)
+        gdc_launch_dependents()
     if DECODE and FUSED_MERGE:
         if pid >= num_reqs and split > 0:
             return  # padding rows have no keys: split 0 alone zeroes them
