@@ -46,23 +46,19 @@ def _rope_kv_kernel(
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    # PDL (kernels/pdl.py): this kernel waits below the metadata reads, then lets the next launch.
+    if PDL:  # kernels/pdl.py: every input but the weights comes from earlier kernels of the step
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
 
     # A padding row may carry any position; clamping keeps the cos/sin read in bounds (its
     # result lands in scratch and is never attended to), so a stray value cannot fault a replay.
-    # Positions, cos/sin and slots are metadata and constants: read before the wait, so their
-    # two dependent round trips overlap the kernel before this one (the qkv projection).
     pos = tl.load(pos_ptr + t).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d)[None, :]
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if PDL:
-        gdc_wait()   # q, k, v come from the kernel before
-        gdc_launch_dependents()
 
     # q: all heads of the token at once, [HQ_PAD, HALF] per half.
     hq = tl.arange(0, HQ_PAD)[:, None]
@@ -78,6 +74,7 @@ def _rope_kv_kernel(
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mq)
 
     # k rotated and v as-is, straight into the paged cache at this token's slot.
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     slot = tl.maximum(slot, 0)  # -1 -> scratch block 0, offset 0 (write_kv's clamp)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE

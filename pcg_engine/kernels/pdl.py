@@ -14,8 +14,8 @@ kernel that opts in:
 What may come before the wait is what no kernel of the step writes: the weights, and the step's
 metadata (positions, slot mapping, seq_lens, query_start_loc, block table), which only the copies
 before the graph write. The skinny GEMM loads its weight tile there, so a projection's weight stream
-overlaps the kernel before it. The RoPE + KV write loads its positions, cos/sin and slots there,
-and decode attention its seq_len and block ids, and it asks L2 for its first K/V tiles
+overlaps the kernel before it. Decode attention loads its seq_len and block ids there, and asks
+L2 for its first K/V tiles
 (`prefetch_l2`): a prefetch keeps no value and no L1 line, and the KV slot that the RoPE + KV write
 before it stores lands in L2, the point of coherence, so a line fetched early is never stale. The
 other kernels wait first thing and gain only the launch. The wait is executed by every program
