@@ -36,6 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pcg_engine.kernels import pdl
+
+# PDL inside the piece graphs (kernels/pdl.py): the kernels of a piece (o_proj, add + norm + gate_up,
+# SiLU + down, add + norm + qkv, RoPE + KV write at decode sizes) are captured with programmatic
+# edges, as the full decode graphs' are. Outside the graphs (attention between pieces, the eager
+# sizes) launches stay plain. PCG_PIECE_PDL=0/1, read at import: an A/B switch.
+PIECE_PDL = os.environ.get("PCG_PIECE_PDL", "0") == "1"
+
 
 class GraphPool:
     """State shared by every graph of one runner: pool, capture stream, phase, this forward's T."""
@@ -202,7 +210,8 @@ class GraphedPiece:
         if not (pool.capturing and T in self.buckets):
             return self.compiled(*args)
         warm = self.key is None or (self.key, T) not in pool.warmed
-        graph, outputs = capture(pool, self.compiled, *args, warmups=1 if warm else 0)
+        with pdl.scope() if PIECE_PDL else contextlib.nullcontext():
+            graph, outputs = capture(pool, self.compiled, *args, warmups=1 if warm else 0)
         if warm:
             pool.warmups += 1
             if self.key is not None:
