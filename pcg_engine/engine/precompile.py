@@ -203,6 +203,7 @@ def distinct_layers(model: torch.nn.Module):
 
 def _dry_steps(runner, piecewise_buckets, plan):
     """The pass's steps, as callables: every one a forward of the (cut) eager model."""
+    from pcg_engine.compile.cuda_graph import PIECE_PDL
     from pcg_engine.compile.setup import _dummy_forward
     from pcg_engine.engine import warmup
 
@@ -212,9 +213,19 @@ def _dry_steps(runner, piecewise_buckets, plan):
             yield lambda b=bucket: graphs.dummy_forward(b)
     for bucket in sorted(piecewise_buckets, reverse=True):
         yield lambda b=bucket: _dummy_forward(runner, model_forward, b)
+        if PIECE_PDL:
+            # The piece graphs launch their kernels with PDL (compile/cuda_graph.py), attention
+            # between them without: the bucket once each way (a few unused attention variants).
+            yield lambda b=bucket: _in_pdl_scope(_dummy_forward, runner, model_forward, b)
     for step in plan:
         if step.path != "full":          # a full-graph step is a bucket above
             yield lambda s=step: warmup.run_step(runner, s, forward=model_forward)
+
+
+def _in_pdl_scope(fn, *args):
+    from pcg_engine.kernels import pdl
+    with pdl.scope():
+        return fn(*args)
 
 
 class _Background:

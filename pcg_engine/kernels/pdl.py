@@ -20,12 +20,14 @@ launch before the wait cost 31 µs. docs/PERF.md, session 14.) The wait is execu
 before any early exit, so a kernel never completes before its predecessor has, and the ordering is
 transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
 
-Where: only inside `scope()`, which the full decode graphs' capture enters (compile/full_graph.py).
+Where: only inside `scope()`, which the full decode graphs' capture enters (compile/full_graph.py),
+and since session 14 each piece graph's capture (compile/cuda_graph.py, PIECE_PDL): piecewise
+batch-1 decode 1.17-1.23 -> 1.05-1.06 ms a token on the H200.
 Measured on the H200 (session 4, call 2, P1 batch-1 decode, with graph split-KV): Qwen3-0.6B
 full_decode 1.048 -> 0.965 ms a token, full_and_piecewise 1.049 -> 0.958, and the CUDA-graph
 equivalence tests pass with it. With PDL in every launch (call 3), the host-bound modes got slower
 instead: piecewise 2.38 -> 3.63 ms (29 piece-graph launches and 28 eager attention launches a
-step), eager 11.7 -> 13.0, so launches outside the one whole-step graph stay plain.
+step), eager 11.7 -> 13.0, so launches outside CUDA graphs stay plain.
 Off in Triton's CPU interpreter (the instructions are inline PTX), below sm_90, and with PCG_PDL=0
 (an A/B switch for benchmarks, read at import). Kernels take a PDL constexpr and their launchers
 pass `**launch_kwargs(device)`, so both halves always agree.

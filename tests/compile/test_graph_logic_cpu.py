@@ -220,3 +220,27 @@ def test_default_decode_buckets():
     assert full_graph.default_decode_buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert full_graph.default_decode_buckets(3) == [1, 2, 3]
     assert full_graph.default_decode_buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_piece_captures_inside_a_pdl_scope_when_switched_on(monkeypatch, on):
+    """PIECE_PDL: a piece graph is captured (warm-up included) with PDL launches; nothing after."""
+    from pcg_engine.kernels import pdl
+    depths = []
+
+    def capture(pool, fn, *args, warmups=1):
+        depths.append(pdl._depth)
+        outputs = fn(*args)
+        return FakeGraph(fn, args, outputs), outputs
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    monkeypatch.setattr(cuda_graph, "PIECE_PDL", on)
+    pool = cuda_graph.GraphPool(torch.device("cpu"))
+    pool.enabled = True
+    piece = cuda_graph.GraphedPiece(lambda x: x * 2, 0, pool, [4])
+    pool.num_tokens = 4
+    x = torch.arange(4.0)
+    with pool.capture_phase():
+        assert torch.equal(piece(x), x * 2)
+    assert depths == [1 if on else 0] and pdl._depth == 0
+    x += 1                                   # a replay reads the captured input's new contents
+    assert torch.equal(piece(x), x * 2) and depths == [1 if on else 0]

@@ -215,18 +215,22 @@ def fake_triton(monkeypatch):
 def test_the_pass_runs_every_planned_step_on_the_distinct_layers_and_undoes_everything(tiny_paths, fake_triton):
     from triton.runtime.jit import JITFunction
     from pcg_engine.engine import warmup
-    from pcg_engine.kernels import fast_launch
+    from pcg_engine.compile.cuda_graph import PIECE_PDL
+    from pcg_engine.kernels import fast_launch, pdl
     runner = _cpu_runner(tiny_paths)
     layers = runner.model.model.layers
     ran = []
     for k, layer in enumerate(layers):
-        layer.register_forward_hook(lambda m, i, o, k=k: ran.append(k))
+        layer.register_forward_hook(lambda m, i, o, k=k: ran.append((k, pdl._depth)))
     run, fast = JITFunction.run, fast_launch.ENABLED
     precompile.precompile(runner, piecewise_buckets=(4, 8))
     plan = warmup.plan(runner)
-    # every planned step plus the two buckets, each a forward of layers 0 and 1 only
+    # every planned step plus the two buckets, each a forward of layers 0 and 1 only; with PDL in
+    # the piece graphs each bucket runs once more, inside pdl.scope() (its kernels' PDL variants)
+    per_bucket = 2 if PIECE_PDL else 1
     assert runner.warmup_plan == plan and len(plan) >= 1
-    assert len(ran) == 2 * (len(plan) + 2) and set(ran) == {0, 1}
+    assert len(ran) == 2 * (len(plan) + 2 * per_bucket) and {k for k, _ in ran} == {0, 1}
+    assert sum(1 for _, depth in ran if depth) == (2 * 2 if PIECE_PDL else 0) and pdl._depth == 0
     assert fake_triton.entered == fake_triton.exited == 1
     assert runner.model.model.layers is layers and JITFunction.run is run and fast_launch.ENABLED == fast
     from triton.runtime import _async_compile
@@ -263,7 +267,8 @@ def test_without_warm_up_the_pass_runs_only_what_capture_will(tiny_paths, fake_t
     ran = []
     runner.model.model.layers[0].register_forward_hook(lambda m, i, o: ran.append(1))
     precompile.precompile(runner, piecewise_buckets=(4, 8, 16))
-    assert runner.warmup_plan == [] and len(ran) == 3
+    from pcg_engine.compile.cuda_graph import PIECE_PDL
+    assert runner.warmup_plan == [] and len(ran) == 3 * (2 if PIECE_PDL else 1)   # (see the test above)
 
 
 def test_one_background_from_the_kv_sizing_to_finish(tiny_paths, fake_triton):
