@@ -39,6 +39,35 @@ if not ON_GPU:
         _interpret_already_decorated_kernels()
 
 
+def _interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels here, or None. Triton 3.6's interpreter turns
+    a loop bound built from a scalar argument (range(0, n + 1, step)) into a Python int with
+    int() of a one-element array, which numpy 2.4 refuses: every attention test would then fail
+    with an obscure TypeError deep inside triton."""
+    if ON_GPU:
+        return None
+    import numpy as np
+    try:
+        int(np.array([1]))
+    except TypeError:
+        import triton
+        from triton.runtime import interpreter
+        import inspect
+        if "int(self.handle.data)" in inspect.getsource(interpreter):
+            return (f"triton {triton.__version__}'s CPU interpreter does not work with numpy {np.__version__} "
+                    "(it converts one-element arrays with int()): pip install 'numpy<2.4', or a newer triton")
+    return None
+
+
+_PROBLEM = _interpreter_problem()
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_usable():
+    if _PROBLEM:
+        pytest.fail(_PROBLEM, pytrace=False)
+
+
 @pytest.fixture
 def device() -> str:
     """Where the small-shape correctness tests run: the GPU when there is one."""
