@@ -13,8 +13,11 @@ i.e. sooner after ready when start-up is shorter. Piecewise's host-bound TPOT al
 This builds LLM(model, mode), then runs `windows` back-to-back batch-1 generations of `tokens`
 tokens each (fresh random prompts) and records per window: seconds since ready, TPOT, the CPU
 seconds each thread of this process used (by thread name, from /proc/self/task) and the CPU
-seconds of every child process (from /proc). A TPOT that falls while some thread's CPU falls to
-zero is the answer. Linux only (reads /proc); GPU or CPU.
+seconds of every child process (from /proc), and the GPU's SM and memory clocks where nvidia-smi
+exists. A TPOT that falls while some thread's CPU falls to zero, or while a clock rises, is the
+answer. Session 14 ruled threads and children out: piecewise still ran 1.33 ms a token for its
+first ~3.5 s and 1.17-1.29 after (docs/PERF.md), hence the clocks. Linux only (reads /proc); GPU
+or CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import time
 
 import numpy as np
@@ -65,6 +70,21 @@ def child_cpu() -> dict[str, float]:
     return out
 
 
+def gpu_clocks() -> dict | None:
+    """SM and memory clocks (MHz) of the GPUs nvidia-smi lists, read between windows (a
+    subprocess, ~50 ms, outside the timed generations); None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        text = subprocess.run([exe, "--query-gpu=clocks.sm,clocks.mem", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [line.split(",") for line in text.strip().splitlines() if line.count(",") == 1]
+    return {"sm_mhz": [int(a) for a, _ in rows], "mem_mhz": [int(b) for _, b in rows]} if rows else None
+
+
 def _delta(after: dict, before: dict) -> dict:
     return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0.0}
 
@@ -91,11 +111,14 @@ def main(argv=None) -> int:
         start = time.monotonic() - ready
         row = latency.one_iteration(llm, common.random_prompts(rng, pool, [args.input_len]), params)[0]
         now_threads, now_children = thread_cpu(), child_cpu()
+        clocks = gpu_clocks()
         windows.append({"window": w, "since_ready_s": round(start, 2), "tpot_ms": round(row["tpot_ms"], 4),
-                        "thread_cpu_s": _delta(now_threads, threads), "child_cpu_s": _delta(now_children, children)})
+                        "thread_cpu_s": _delta(now_threads, threads), "child_cpu_s": _delta(now_children, children),
+                        "gpu_clocks": clocks})
         threads, children = now_threads, now_children
         print(f"window {w:2d} +{start:6.2f} s  TPOT {row['tpot_ms']:.3f} ms  threads {windows[-1]['thread_cpu_s']}  "
-              f"children {windows[-1]['child_cpu_s']}", flush=True)
+              f"children {windows[-1]['child_cpu_s']}" + (f"  SM/mem MHz {clocks['sm_mhz']}/{clocks['mem_mhz']}"
+                                                          if clocks else ""), flush=True)
     payload = {"model": args.model, "mode": args.mode, "start_s": round(ready - t0, 2),
                "env": {k: v for k, v in os.environ.items() if k.startswith("PCG_")},
                "threads_at_ready": sorted(thread_cpu()), "windows": windows, "commit": common.git_commit()}

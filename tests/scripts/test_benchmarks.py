@@ -9,6 +9,7 @@ import json
 import math
 import runpy
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -364,3 +365,29 @@ def test_benchmarks_refuse_bad_flags_before_building_an_engine(module, flags, mo
 
 def test_load_test_accepts_the_defaults():
     load_test.check_args(load_test.make_parser().parse_args([]))
+
+
+def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
+    """scripts/host_drift.py: one record per window with this process's main-thread CPU, and the
+    GPU clocks parsed from nvidia-smi's CSV (a stand-in here; None without nvidia-smi)."""
+    drift = runpy.run_path(str(REPO / "scripts" / "host_drift.py"))
+    out = tmp_path / "drift.json"
+    assert drift["main"](["--model", "tiny-qwen3", "--mode", "eager", "--windows", "2", "--tokens", "4",
+                          "--json", str(out)]) == 0
+    data = read(out)
+    assert [w["window"] for w in data["windows"]] == [0, 1]
+    assert all(w["tpot_ms"] > 0 for w in data["windows"]) and data["threads_at_ready"]
+    before = drift["thread_cpu"]()
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.05:   # 5 clock ticks of CPU on this thread
+        pass
+    assert sum(drift["_delta"](drift["thread_cpu"](), before).values()) > 0
+    clocks = drift["gpu_clocks"]
+    monkeypatch.setattr(drift["shutil"], "which", lambda name: None)
+    assert clocks() is None
+
+    class Done:
+        stdout = "1980, 3201\n1755, 3201\n"
+    monkeypatch.setattr(drift["shutil"], "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(drift["subprocess"], "run", lambda *a, **k: Done())
+    assert clocks() == {"sm_mhz": [1980, 1755], "mem_mhz": [3201, 3201]}
