@@ -7,6 +7,7 @@ asked for. Sizes are tiny so the whole file stays well under two minutes on a CP
 
 import json
 import math
+import os
 import runpy
 import sys
 import time
@@ -377,6 +378,10 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
     data = read(out)
     assert [w["window"] for w in data["windows"]] == [0, 1]
     assert all(w["tpot_ms"] > 0 for w in data["windows"]) and data["threads_at_ready"]
+    host = data["windows"][1]["host"]
+    assert 0 <= host["cpu"] < os.cpu_count() and host["nvcsw"] >= 0 and host["steal_s"] >= 0
+    signals = drift["host_signals"]()
+    assert signals["cpu"] in os.sched_getaffinity(0) and signals["nvcsw"] >= 0
     before = drift["thread_cpu"]()
     t0 = time.process_time()
     while time.process_time() - t0 < 0.05:   # 5 clock ticks of CPU on this thread
