@@ -17,7 +17,7 @@
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep),
 # fwdhost (scripts/forward_host.py: an eager full-decode forward's host ms and its Triton JIT share), p1_rope / p1_8b_rope
 # (P1 full_decode, PCG_FUSED_ROPE_ATTENTION=0/1 alternated twice; ROPE_MODES), p1ab (P1 with AB_VAR=each of AB_VALUES,
-# alternated twice; AB_MODEL, P1_MODES),
+# alternated twice; AB_MODEL, P1_MODES), p2ab (P2 with AB_VAR=each of AB_VALUES, alternated twice),
 # p1tree (P1 of this tree against the base tree in AB_TREE, alternated twice; TREE_VALUES like "base new:VAR=x new"),
 # hostinfo (lscpu, NUMA, governor), p1pin (P1 unpinned / under taskset -c each of PIN_VALUES, alternated twice; P1_MODES),
 # drift (scripts/host_drift.py with PCG_FULL_GRAPH_WARMUP_EVERY=each of DRIFT_VALUES; DRIFT_MODE, DRIFT_WINDOWS),
@@ -97,6 +97,10 @@ part() {
     p1_8b_nopdl) PCG_PDL=0 timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q8b_nopdl.json 2>&1 | tail -7 ;;
     p2) timeout $(lim 150) $B throughput --model $(model qwen3-0.6b) --modes full_and_piecewise --json $OUT/p2_q06${P2_TAG:-}.json 2>&1 | tail -8 ;;
+    p2ab) for i in 1 2; do for v in ${AB_VALUES:-0 1}; do   # A/B, alternated twice: P2 with env AB_VAR=v
+            env ${AB_VAR:?AB_VAR names the switch}=$v timeout $(lim 150) $B throughput --model $(model qwen3-0.6b) \
+              --modes full_and_piecewise --json $OUT/p2ab_${AB_VAR}_$v-$i.json 2>&1 | grep -E "full_and_piecewise|mode" | sed "s/^/$AB_VAR=$v run $i /"
+          done; done ;;
     p3) timeout $(lim 200) $B load-test --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise --num-prompts 300 \
           --request-rate 20 --input-len 1024 --output-len 128 --goodput ttft:200 tpot:20 --no-progress \
           --json $OUT/p3_q06.json 2>&1 | tail -12 ;;
