@@ -155,7 +155,8 @@ part() {
     p1pin) for i in 1 2; do for v in ${PIN_VALUES:-off taskset2 core2 on}; do   # A/B, alternated twice: P1 (P1_MODES) with
             # --cpu-pin off|on|N (coreN: N), or the whole process under taskset -c N (tasksetN, the engine's pin off)
             pin=; arg="--cpu-pin ${v#core}"
-            case $v in taskset*) pin="taskset -c ${v#taskset}"; arg="--cpu-pin off" ;; esac
+            case $v in taskset*) pin="taskset -c ${v#taskset}"; arg="--cpu-pin off" ;;
+              arena1) pin="env MALLOC_ARENA_MAX=1"; arg="--cpu-pin off" ;; all) pin="env PCG_CPU_PIN_ALL=1"; arg="--cpu-pin on" ;; esac
             $pin timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) --modes ${P1_MODES:-full_decode,piecewise} $arg \
               --num-iters 2 --warmup-iters 1 --json $OUT/p1pin_$v-$i.json 2>&1 | grep -E "full_decode|piecewise|mode" | sed "s/^/pin=$v run $i /"
           done; done ;;

@@ -21,6 +21,9 @@ from __future__ import annotations
 import os
 
 _CAN_PIN = hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
+# A/B switch (read at import): pin every thread of the process, not only the stepping one, as
+# `taskset -c N` does (session 15's question: is it the other threads?).
+_ALL_THREADS = os.environ.get("PCG_CPU_PIN_ALL", "0") == "1"
 
 
 def current_cpu() -> int | None:
@@ -58,9 +61,22 @@ class ThreadPin:
             return self
         os.sched_setaffinity(0, {cpu})
         self._saved, self.pinned_to = mask, cpu
+        self._others = {}
+        if _ALL_THREADS:
+            for tid in map(int, os.listdir("/proc/self/task")):
+                try:
+                    self._others[tid] = os.sched_getaffinity(tid)
+                    os.sched_setaffinity(tid, {cpu})
+                except OSError:
+                    pass                         # the thread ended meanwhile
         return self
 
     def __exit__(self, *exc) -> None:
         if self._saved is not None:
             saved, self._saved, self.pinned_to = self._saved, None, None
+            for tid, mask in self._others.items():
+                try:
+                    os.sched_setaffinity(tid, mask)
+                except OSError:
+                    pass
             os.sched_setaffinity(0, saved)
