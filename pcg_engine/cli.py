@@ -35,8 +35,6 @@ def _add_generate(sub):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--cpu-pin", default="auto", metavar="auto|on|off|CORE",
-                   help="run the stepping thread on one CPU core while it steps (auto: on CUDA; engine/cpu_pin.py)")
     p.add_argument("--dump-graph", default=None, metavar="DIR",
                    help="compiled modes: write the traced graph, the split graph and each piece's code to DIR "
                         "(this start traces afresh, under its own compile-cache entry: the first such start compiles)")
@@ -58,16 +56,6 @@ def _read_prompts(args) -> list[str]:
     if not prompts:
         raise SystemExit("give --prompt (repeatable) or --prompts-file")
     return prompts
-
-
-def _cpu_pin(value: str):
-    """--cpu-pin's text as EngineConfig.cpu_pin (which checks a core number against this machine)."""
-    named = {"auto": None, "on": True, "off": False}
-    if value in named:
-        return named[value]
-    if value.isdigit():
-        return int(value)
-    raise SystemExit(f"--cpu-pin: got {value!r}; allowed: auto, on, off or a core number")
 
 
 def _dump_graph(llm, directory: str, err) -> None:
@@ -101,8 +89,7 @@ def cmd_generate(args) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop)
         config = dict(device=args.device, dtype=args.dtype, mode=args.mode, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
-                      cpu_pin=_cpu_pin(args.cpu_pin))
+                      max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
         if args.dump_graph:
             # A saved trace keeps Inductor's code, not the pieces' FX graphs: trace this start
             # (compile/saved_trace.py). The switch is part of the compile cache's key, so the first

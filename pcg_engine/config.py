@@ -82,9 +82,6 @@ class EngineConfig:
     show_progress: bool = False
     kernel_warmup: bool | None = None    # compile every Triton kernel variant at start-up (None: on CUDA)
     gc_freeze: bool = True               # freeze start-up's objects out of the GC's reach (engine/gc_freeze.py)
-    # Pin the thread that runs steps to one core while it steps (engine/cpu_pin.py): None -> on for
-    # CUDA, True/False, or the number of the core to use. PCG_CPU_PIN=0/1 overrides None (A/B runs).
-    cpu_pin: bool | int | None = None
 
     def __post_init__(self):
         def check(name, ok, allowed):
@@ -122,14 +119,6 @@ class EngineConfig:
             check(name, isinstance(getattr(self, name), bool), "True or False")
         for name in ("kernels", "async_scheduling"):
             check(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None, True or False")
-        if is_int(self.cpu_pin):
-            from pcg_engine.engine.cpu_pin import allowed_cpus
-            cpus = sorted(allowed_cpus())
-            check("cpu_pin", self.cpu_pin in cpus,
-                  f"None, True, False or a core this process may run on: {', '.join(map(str, cpus))}")
-        else:
-            check("cpu_pin", self.cpu_pin is None or isinstance(self.cpu_pin, bool),
-                  "None, True, False or a core number")
         # torch.manual_seed's range
         check("seed", is_int(self.seed) and -2**63 <= self.seed < 2**64, "an int in [-2**63, 2**64)")
         check("compile_cache_dir", self.compile_cache_dir is None or isinstance(self.compile_cache_dir, (str, os.PathLike)),
@@ -165,13 +154,6 @@ class EngineConfig:
 
     def resolved_async(self, device_type: str) -> bool:
         return device_type == "cuda" if self.async_scheduling is None else bool(self.async_scheduling)
-
-    def resolved_cpu_pin(self, device_type: str) -> int | bool:
-        """False (off), True (the core the stepping thread is on) or a core number."""
-        if self.cpu_pin is None:
-            env = os.environ.get("PCG_CPU_PIN")
-            return env != "0" if env in ("0", "1") else device_type == "cuda"
-        return self.cpu_pin
 
     def torch_dtype(self, device_type: str):
         import torch

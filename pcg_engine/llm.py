@@ -48,13 +48,12 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 # Without a callback only the final outputs are used: skip the per-step ones.
                 ids.append(self.engine.add_request(prompt, p, final_only=on_output is None))
-            with self.engine.stepping():
-                while self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        if on_output is not None:
-                            on_output(out)
-                        if out.finished:
-                            finals[out.request_id] = out
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if on_output is not None:
+                        on_output(out)
+                    if out.finished:
+                        finals[out.request_id] = out
         except BaseException:
             self._abandon(ids)
             raise
@@ -80,12 +79,8 @@ class LLM:
         Other requests added to the engine meanwhile keep running alongside."""
         rid = self.engine.add_request(prompt, sampling_params)
         try:
-            # Pinned while it steps, not while the caller holds an output (cpu_pin.py): the
-            # caller's code between tokens runs with its own mask.
             while True:
-                with self.engine.stepping():
-                    outs = self.engine.step()
-                for out in outs:
+                for out in self.engine.step():
                     if out.request_id == rid:
                         yield out
                         if out.finished:

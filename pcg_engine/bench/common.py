@@ -80,8 +80,6 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--attention-backend", default=None, help="auto, torch, triton")
-    g.add_argument("--cpu-pin", default=None, metavar="auto|on|off|CORE",
-                   help="the stepping thread on one core while it steps (engine/cpu_pin.py)")
     return p
 
 
@@ -91,11 +89,7 @@ _ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "m
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields given on the command line; the rest keep EngineConfig's defaults."""
-    kw = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
-    if getattr(args, "cpu_pin", None) not in (None, "auto"):
-        from pcg_engine.cli import _cpu_pin
-        kw["cpu_pin"] = _cpu_pin(args.cpu_pin)
-    return kw
+    return {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
 
 
 def parse_modes(spec: str) -> list[tuple[str, dict]]:

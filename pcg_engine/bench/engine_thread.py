@@ -82,15 +82,14 @@ class EngineLoop(threading.Thread):
     # ---- engine side ---------------------------------------------------------------------------
     def run(self) -> None:
         try:
-            with self.engine.stepping():     # this thread on one core for its life (engine/cpu_pin.py)
-                while not self._stop_requested.is_set():
-                    busy = self.engine.has_unfinished_requests()
-                    self._admit(block=not busy)
-                    if self.engine.has_unfinished_requests():
-                        self._step()
-                    elif self._closed.is_set() and self.inbox.empty():
-                        return
-                self._abort_unfinished()
+            while not self._stop_requested.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._admit(block=not busy)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                elif self._closed.is_set() and self.inbox.empty():
+                    return
+            self._abort_unfinished()
         except BaseException as e:   # surfaced by the caller after join(); never lost in the thread
             self.error = e
             self.fail_remaining(f"engine loop died: {e!r}")

@@ -64,9 +64,8 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
         profiler = cProfile.Profile() if profile_path else None
         if profiler is not None:
             profiler.enable()
-        with engine.stepping():        # as LLM.generate steps (engine/cpu_pin.py)
-            for _ in range(steps):
-                engine.step()
+        for _ in range(steps):
+            engine.step()
         if profiler is not None:
             profiler.disable()
             _write_profile(profiler, profile_path, f"{impl}, {n} running, {steps} timed steps")

@@ -68,7 +68,7 @@ def profile_config(name: str, kw: dict, args, model: str, out_dir: Path, on_cuda
     if on_cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof, engine.stepping():   # as LLM.generate steps
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
             engine.step()
         if on_cuda:

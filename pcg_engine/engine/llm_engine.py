@@ -15,7 +15,6 @@ or whose row was released since launch take the per-request path. An input batch
 per-request path.
 """
 
-import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from pcg_engine.kernels.argmax import greedy_tokens
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine import gc_freeze
 from pcg_engine.engine.block_manager import BlockManager
-from pcg_engine.engine.cpu_pin import ThreadPin
 from pcg_engine.engine.detokenizer import IncrementalDetokenizer
 from pcg_engine.engine.model_runner import ModelRunner
 from pcg_engine.engine.readback import TokenReadback
@@ -77,7 +75,6 @@ class LLMEngine:
         self.sampler = Sampler(shared)
         self.readback = TokenReadback(config.max_num_seqs, self.device)
         self.async_scheduling = config.resolved_async(self.device.type)
-        self.cpu_pin = config.resolved_cpu_pin(self.device.type)
         self.inflight: Inflight | None = None
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer | None] = {}
@@ -200,13 +197,6 @@ class LLMEngine:
         self.sampling = None
         gc_freeze.unfreeze()    # whoever froze them: the runner's collection must see the engine's cycles
         self.runner.close()
-
-    def stepping(self):
-        """Context manager around a loop of step() calls: the calling thread stays on one core
-        inside it (engine/cpu_pin.py), if EngineConfig.cpu_pin says so."""
-        if self.cpu_pin is False:
-            return contextlib.nullcontext()
-        return ThreadPin(None if self.cpu_pin is True else self.cpu_pin)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.inflight is not None or bool(self.pending_outputs)

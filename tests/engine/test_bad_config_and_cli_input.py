@@ -131,22 +131,3 @@ def test_generate_error_is_one_line_with_brackets_kept(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(missing), "--prompt", "hi", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: {missing}: checkpoint directory does not exist"
-
-
-@pytest.mark.parametrize("value, expected", [("sometimes", "--cpu-pin: got 'sometimes'; allowed: auto, on, off"),
-                                             ("1000000", "cpu_pin: got 1000000; allowed: None, True, False or a core")])
-def test_cli_cpu_pin_refused_by_name(tiny_paths, capsys, value, expected):
-    from pcg_engine import cli
-    code = None
-    try:
-        code = cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--prompt", "hi", "--device", "cpu",
-                         "--cpu-pin", value])
-    except SystemExit as e:
-        assert expected in str(e)
-        return
-    assert code == 2 and expected in capsys.readouterr().err
-
-
-def test_cli_cpu_pin_values():
-    from pcg_engine.cli import _cpu_pin
-    assert [_cpu_pin(v) for v in ("auto", "on", "off", "3")] == [None, True, False, 3]
