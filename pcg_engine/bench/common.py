@@ -166,8 +166,11 @@ def reset_stats(llm) -> None:
 
 # ---- environment -----------------------------------------------------------------------------------
 def git_commit() -> str:
-    """HEAD's hash, or "unknown" (a copy without .git, or a repository without commits, where
-    `git rev-parse HEAD` echoes "HEAD"). PCG_COMMIT in the environment overrides it, for copies."""
+    """PCG_COMMIT from the environment (set it on copies: the GPU machine's copy may carry a stale
+    .git), else HEAD's hash, or "unknown" (a copy without .git, or a repository without commits,
+    where `git rev-parse HEAD` echoes "HEAD")."""
+    if os.environ.get("PCG_COMMIT"):
+        return os.environ["PCG_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -178,7 +181,7 @@ def git_commit() -> str:
 
 def env_record(model: str, device: str = "auto") -> dict:
     import torch
-    commit = os.environ.get("PCG_COMMIT") or git_commit()
+    commit = git_commit()
     try:
         from importlib.metadata import version
         triton = version("triton")

@@ -273,10 +273,12 @@ def test_load_test_time_limit_fails_the_rest_and_leaves_the_engine_idle(tmp_path
 
 def test_env_record_commit_falls_back_and_can_be_given(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "REPO_ROOT", tmp_path)          # a copy without .git
+    monkeypatch.delenv("PCG_COMMIT", raising=False)
     assert common.git_commit() == "unknown"
     monkeypatch.setenv("PCG_COMMIT", "abc123")
     env = common.env_record("m", "cpu")
     assert env["commit"] == "abc123" and env["device"].startswith("CPU") and env["torch"]
+    assert common.git_commit() == "abc123"          # host_drift.py and the other scripts record it too
 
 
 def test_profile_analysis_idle_overall_and_from_the_second_step():
