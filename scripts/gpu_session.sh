@@ -140,7 +140,7 @@ part() {
     p1ab) for i in 1 2; do for v in ${AB_VALUES:-0 1}; do   # A/B, alternated twice: P1 (AB_MODEL, P1_MODES) with env AB_VAR=v
             env ${AB_VAR:?AB_VAR names the switch}=$v timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) \
               --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1ab_${AB_VAR}_$v-$i.json 2>&1 \
-              | grep -E "full_decode|piecewise|mode" | sed "s/^/$AB_VAR=$v run $i /"
+              | grep -E "full_decode|piecewise|mode|the OS" | sed "s/^/$AB_VAR=$v run $i /"
           done; done ;;
     p1tree) for i in 1 2; do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated twice: P1 of this tree ("new") against
             # the tree unpacked in AB_TREE ("base", e.g. git archive of the commit before a change); "new:VAR=x" adds a switch
@@ -150,14 +150,14 @@ part() {
               --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1tree_${v//[:=]/_}-$i.json 2>&1 \
               | grep -E "full_decode|piecewise|mode" | sed "s/^/$v run $i /"
           done; done ;;
-    hostinfo) { nproc; env | grep -iE "malloc|preload|omp_|mkl"; python3 -c "import torch; print(open('/proc/self/maps').read())" | grep -iE "jemalloc|tcmalloc|mimalloc" | head -3; lscpu; numactl -H 2>&1 | head -5; grep -m3 MHz /proc/cpuinfo; head -1 /proc/stat
+    hostinfo) { nproc; env | grep -iE "malloc|preload|omp_|mkl"; python3 -c "import torch; print(open('/proc/self/maps').read())" | grep -iE "jemalloc|tcmalloc|mimalloc" | head -3; lscpu; numactl -H 2>&1 | head -5; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} 2>&1; grep -m3 MHz /proc/cpuinfo; head -1 /proc/stat
           cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>&1; } > $OUT/hostinfo.txt 2>&1; head -30 $OUT/hostinfo.txt ;;
     p1pin) for i in 1 2; do for v in ${PIN_VALUES:-off taskset2}; do   # A/B, alternated twice: P1 (P1_MODES) as is (off),
             # with the whole process under taskset -c N (tasksetN), or with glibc's MALLOC_ARENA_MAX=1 (arena1)
             pin=
             case $v in taskset*) pin="taskset -c ${v#taskset}" ;; arena1) pin="env MALLOC_ARENA_MAX=1" ;; esac
             $pin timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) --modes ${P1_MODES:-full_decode,piecewise} \
-              --num-iters 2 --warmup-iters 1 --json $OUT/p1pin_$v-$i.json 2>&1 | grep -E "full_decode|piecewise|mode" | sed "s/^/pin=$v run $i /"
+              --num-iters 2 --warmup-iters 1 --json $OUT/p1pin_$v-$i.json 2>&1 | grep -E "full_decode|piecewise|mode|the OS" | sed "s/^/pin=$v run $i /"
           done; done ;;
     warmcheck) for v in 0 1; do   # scripts/graph_warmup_check.py with PCG_FULL_GRAPH_WARMUP_EVERY=0, then 1
             PCG_FULL_GRAPH_WARMUP_EVERY=$v timeout $(lim 120) python3 scripts/graph_warmup_check.py --model $(model qwen3-0.6b) \

@@ -14,8 +14,9 @@ This builds LLM(model, mode), then runs `windows` back-to-back batch-1 generatio
 tokens each (fresh random prompts) and records per window: seconds since ready, TPOT, the CPU
 seconds each thread of this process used (by thread name, from /proc/self/task) and the CPU
 seconds of every child process (from /proc), and the GPU's SM and memory clocks where nvidia-smi
-exists. Also per window: the CPU the main thread ran on, its involuntary context switches
-and the machine's steal time (a VM's cores lent elsewhere). A TPOT that falls while some thread's
+exists. Also per window (pcg_engine/bench/proc_stats.py): page faults, the main thread's context
+switches, moves between cores and current core, huge-page memory, and the machine's steal time
+(a VM's cores lent elsewhere). A TPOT that falls while some thread's
 CPU falls to zero, while a clock rises or while steal falls, is the answer. Session 14 ruled threads and children out: piecewise still ran 1.33 ms a token for its
 first ~3.5 s and 1.17-1.29 after (docs/PERF.md), hence the clocks. Linux only (reads /proc); GPU
 or CPU.
@@ -32,7 +33,7 @@ import time
 
 import numpy as np
 
-from pcg_engine.bench import common, latency
+from pcg_engine.bench import common, latency, proc_stats
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -86,24 +87,21 @@ def gpu_clocks() -> dict | None:
     return {"sm_mhz": [int(a) for a, _ in rows], "mem_mhz": [int(b) for _, b in rows]} if rows else None
 
 
-def host_signals() -> dict:
-    """What the machine did to this process: the CPU its main thread last ran on, its involuntary
-    context switches (another task took the core), and the whole machine's steal seconds (the
-    hypervisor gave the VM's cores to someone else), from /proc."""
-    out = {}
+def steal_seconds() -> float:
+    """The whole machine's steal seconds (the hypervisor gave the VM's cores to someone else)."""
     try:
-        with open("/proc/self/stat") as f:
-            out["cpu"] = int(f.read().rsplit(")", 1)[1].split()[36])   # field 39, 'processor'
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("nonvoluntary_ctxt_switches"):
-                    out["nvcsw"] = int(line.split()[1])
         with open("/proc/stat") as f:
             cpu = f.readline().split()   # cpu user nice system idle iowait irq softirq steal ...
-        out["steal_s"] = int(cpu[8]) / _TICK if len(cpu) > 8 else 0.0
+        return int(cpu[8]) / _TICK if len(cpu) > 8 else 0.0
     except (OSError, ValueError, IndexError):
-        pass
-    return out
+        return 0.0
+
+
+def host_signals() -> dict:
+    """What the machine did to this process (pcg_engine/bench/proc_stats.py: page faults, the main
+    thread's context switches, moves between cores and current core, huge-page memory) and the
+    machine's steal seconds."""
+    return {**proc_stats.snapshot(), "steal_s": steal_seconds()}
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -133,9 +131,8 @@ def main(argv=None) -> int:
         row = latency.one_iteration(llm, common.random_prompts(rng, pool, [args.input_len]), params)[0]
         now_threads, now_children = thread_cpu(), child_cpu()
         clocks, now_signals = gpu_clocks(), host_signals()
-        host = {"cpu": now_signals.get("cpu"),
-                "nvcsw": now_signals.get("nvcsw", 0) - signals.get("nvcsw", 0),
-                "steal_s": round(now_signals.get("steal_s", 0.0) - signals.get("steal_s", 0.0), 2)}
+        host = {**proc_stats.delta(signals, now_signals),
+                "steal_s": round(now_signals["steal_s"] - signals["steal_s"], 2)}
         signals = now_signals
         windows.append({"window": w, "since_ready_s": round(start, 2), "tpot_ms": round(row["tpot_ms"], 4),
                         "thread_cpu_s": _delta(now_threads, threads), "child_cpu_s": _delta(now_children, children),
@@ -146,7 +143,8 @@ def main(argv=None) -> int:
                                                           if clocks else ""), flush=True)
     payload = {"model": args.model, "mode": args.mode, "start_s": round(ready - t0, 2),
                "env": {k: v for k, v in os.environ.items() if k.startswith("PCG_")},
-               "threads_at_ready": sorted(thread_cpu()), "windows": windows, "commit": common.git_commit()}
+               "threads_at_ready": sorted(thread_cpu()), "windows": windows, "commit": common.git_commit(),
+               "thp": proc_stats.thp_mode()}
     common.write_json(args.json, payload)
     return 0
 

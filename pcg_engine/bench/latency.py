@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from pcg_engine.bench import common
+from pcg_engine.bench import common, proc_stats
 
 
 def one_iteration(llm, prompts, params) -> list[dict]:
@@ -50,8 +50,10 @@ def run_mode(llm, args) -> dict:
         one_iteration(llm, common.random_prompts(rng, pool, [args.input_len] * args.batch_size), params)
     common.reset_stats(llm)
     rows = []
+    before = proc_stats.snapshot()
     for _ in range(args.num_iters):
         rows += one_iteration(llm, common.random_prompts(rng, pool, [args.input_len] * args.batch_size), params)
+    proc = proc_stats.delta(before, proc_stats.snapshot())
     stats = llm.engine.stats
     tpot = common.percentiles([r["tpot_ms"] for r in rows])
     return {"ttft_ms": common.percentiles([r["ttft_ms"] for r in rows]), "tpot_ms": tpot,
@@ -60,7 +62,9 @@ def run_mode(llm, args) -> dict:
             "output_lens": sorted({r["output_len"] for r in rows}),
             "host_ms_per_step": 1000 * stats.host_s / max(stats.steps, 1), "steps": stats.steps,
             "engine_mode": llm.engine.runner.mode, "async_scheduling": llm.engine.async_scheduling,
-            "engine_config": common.engine_config(llm), "iterations": rows}
+            "engine_config": common.engine_config(llm), "iterations": rows,
+            # what the OS did meanwhile (faults, switches, core moves, huge pages): bench/proc_stats.py
+            "proc": proc, "thp": proc_stats.thp_mode()}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -89,6 +93,8 @@ def main(argv=None) -> int:
                          f"{base['tpot_ms']['median'] / max(r['tpot_ms']['median'], 1e-9):.2f}x",
                          f"{base['ttft_ms']['median'] / max(r['ttft_ms']['median'], 1e-9):.2f}x"]
                         for n, r in results.items()])
+    for name, r in results.items():
+        print(f"{name}: the OS in the timed iterations: {proc_stats.summary(r['proc'], r['thp'])}")
     common.write_mode_results(args, model, "latency", results)
     return 0
 

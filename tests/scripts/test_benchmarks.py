@@ -185,6 +185,24 @@ def test_latency(tmp_path):
     assert data["output_lens"] == [5] and len(data["iterations"]) == 2
     for it in data["iterations"]:
         assert 0 < it["ttft_ms"] <= it["e2el_ms"] and it["tpot_ms"] > 0
+    if sys.platform == "linux":        # what the OS did during the timed iterations (bench/proc_stats.py)
+        proc = data["proc"]
+        assert proc["minflt"] >= 0 and proc["voluntary_switches"] >= 0 and proc["rss_kb"] > 0
+        assert proc["cpu"] in os.sched_getaffinity(0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_proc_stats_counts_faults_and_keeps_gauges():
+    from pcg_engine.bench import proc_stats
+    before = proc_stats.snapshot()
+    pages = [bytearray(1 << 20) for _ in range(16)]            # 16 MiB touched: thousands of minor faults
+    after = proc_stats.snapshot()
+    d = proc_stats.delta(before, after)
+    assert d["minflt"] >= 1000 and d["majflt"] >= 0
+    assert d["rss_kb"] == after["rss_kb"] and d["rss_kb"] >= before["rss_kb"] + 8 * 1024   # gauges: the value after
+    assert d["cpu"] == after["cpu"] and set(d) == set(after)
+    assert proc_stats.thp_mode() in (None, "always", "madvise", "never")
+    del pages
 
 
 def test_overhead_table(tmp_path, capsys):
@@ -381,9 +399,10 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
     assert [w["window"] for w in data["windows"]] == [0, 1]
     assert all(w["tpot_ms"] > 0 for w in data["windows"]) and data["threads_at_ready"]
     host = data["windows"][1]["host"]
-    assert 0 <= host["cpu"] < os.cpu_count() and host["nvcsw"] >= 0 and host["steal_s"] >= 0
+    assert 0 <= host["cpu"] < os.cpu_count() and host["involuntary_switches"] >= 0 and host["steal_s"] >= 0
+    assert host["minflt"] >= 0 and host["rss_kb"] > 0 and "anon_huge_kb" in host
     signals = drift["host_signals"]()
-    assert signals["cpu"] in os.sched_getaffinity(0) and signals["nvcsw"] >= 0
+    assert signals["cpu"] in os.sched_getaffinity(0) and signals["voluntary_switches"] >= 0
     before = drift["thread_cpu"]()
     t0 = time.process_time()
     while time.process_time() - t0 < 0.05:   # 5 clock ticks of CPU on this thread
