@@ -50,7 +50,14 @@ def _read_prompts(args) -> list[str]:
                 obj = parse_json(line, number, "--prompts-file")
                 if "prompt" not in obj:
                     raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field: {line[:80]}")
-                prompts.append(obj["prompt"])
+                prompt = obj["prompt"]
+                # Text, or token ids as a list: a bare number would join its neighbours into one
+                # token-id prompt (generate() reads a list of ints as one prompt).
+                if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt
+                                                        and all(type(t) is int for t in prompt)):
+                    raise SystemExit(f"--prompts-file: line {number}: 'prompt' must be a string or a non-empty list "
+                                     f"of token ids, got {json.dumps(prompt)[:80]}")
+                prompts.append(prompt)
             else:
                 prompts.append(line)
     if not prompts:
@@ -105,6 +112,9 @@ def cmd_generate(args) -> int:
         if args.dump_graph:
             _dump_graph(llm, args.dump_graph, err)
         if args.chat:
+            ids = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
+            if ids is not None:
+                raise SystemExit(f"--chat: prompt {ids} is token ids; the chat template needs text prompts")
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                          add_generation_prompt=True) for p in prompts]
         t1 = time.perf_counter()
@@ -182,8 +192,13 @@ def cmd_bench(args) -> int:
              "load": "pcg_engine.bench.load", "startup": "pcg_engine.bench.startup"}
     if args.name not in table:
         raise SystemExit(f"pcg bench: unknown benchmark {args.name!r}; choose from {', '.join(table)}")
+    from pcg_engine.errors import PcgError
     module = importlib.import_module(table[args.name])
-    return module.main(args.rest) or 0
+    try:
+        return module.main(args.rest) or 0
+    except PcgError as e:       # a setting the engine refuses: one line naming it, as `generate` does
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None) -> int:

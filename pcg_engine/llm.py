@@ -44,12 +44,24 @@ class LLM:
         params = self._params_list(sampling_params, len(prompts))
         ids = []
         finals: dict[str, RequestOutput] = {}
+        others: list[RequestOutput] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 # Without a callback only the final outputs are used: skip the per-step ones.
-                ids.append(self.engine.add_request(prompt, p, final_only=on_output is None))
-            while self.engine.has_unfinished_requests():
+                try:
+                    ids.append(self.engine.add_request(prompt, p, final_only=on_output is None))
+                except InvalidRequestError as e:
+                    if len(prompts) == 1:
+                        raise
+                    # Which of the prompts: the field alone does not say.
+                    raise InvalidRequestError(e.field, f"{str(e)[len(e.field) + 2:]} (prompt {i} of "
+                                              f"{len(prompts)}; none of them was run)") from None
+            mine = set(ids)
+            while len(finals) < len(ids):
                 for out in self.engine.step():
+                    if out.request_id not in mine:
+                        others.append(out)       # a request added to the engine by someone else
+                        continue
                     if on_output is not None:
                         on_output(out)
                     if out.finished:
@@ -57,6 +69,9 @@ class LLM:
         except BaseException:
             self._abandon(ids)
             raise
+        finally:
+            # Other requests' outputs stay with the engine: its next step() returns them first.
+            self.engine.pending_outputs[:0] = others
         return [finals[rid] for rid in ids]
 
     def _abandon(self, ids) -> None:
@@ -78,16 +93,23 @@ class LLM:
 
         Other requests added to the engine meanwhile keep running alongside."""
         rid = self.engine.add_request(prompt, sampling_params)
+        others: list[RequestOutput] = []
         try:
             while True:
+                mine = []
                 for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+                    (mine if out.request_id == rid else others).append(out)   # others: kept for their owner
+                for out in mine:
+                    yield out
+                    if out.finished:
+                        return
         finally:
             if rid in self.engine.requests:    # the caller stopped early: don't leak its blocks
                 self.engine.abort_request(rid)
+                # ... nor leave its abort output for the next step() to return
+                self.engine.pending_outputs = [o for o in self.engine.pending_outputs if o.request_id != rid]
+            # Other requests' outputs stay with the engine: its next step() returns them first.
+            self.engine.pending_outputs[:0] = others
 
     def close(self) -> None:
         """Release the engine's GPU memory now rather than whenever the garbage collector runs;

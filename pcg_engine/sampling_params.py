@@ -72,8 +72,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 "top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         self.min_p = _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        # Bounded: the penalty divides float32 logits, and below ~1e-38 it is 0 there (every logit
+        # then inf or NaN: token 0 for every row it touches).
         self.repetition_penalty = _check_float(
-            "repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0 (1 disables it)")
+            "repetition_penalty", self.repetition_penalty, lambda v: 0.01 <= v <= 100, "in [0.01, 100] (1 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, _check_float(name, getattr(self, name),
                                              lambda v: -2 <= v <= 2, "in [-2, 2]"))

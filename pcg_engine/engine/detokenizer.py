@@ -7,7 +7,9 @@ in an incomplete character. Stop strings are searched in the newly produced text
 the old to catch a stop string that straddles two deltas; the text is cut before the stop string.
 While stop strings are set, the last (longest stop - 1) characters are held back: they might be the
 start of a stop string, and text once emitted (streamed) cannot be taken back. `flush` releases them
-when the request ends for another reason.
+when the request ends for another reason. With min_tokens, stop strings are searched only in the
+text of the min_tokens-th output token on (as EOS and stop_token_ids wait for it); the text before is
+emitted as it comes.
 """
 
 REPLACEMENT = "\ufffd"
@@ -15,8 +17,9 @@ REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -46,7 +49,8 @@ class IncrementalDetokenizer:
         return self._append_text(delta)
 
     def _append_text(self, delta: str) -> str:
-        if not self.stop:
+        if not self.stop or len(self.tokens) < self.min_tokens:
+            delta, self.held = self.held + delta, ""
             self.text += delta
             return delta
         # No stop string can start inside emitted text: it would have ended inside text already

@@ -15,7 +15,9 @@ or whose row was released since launch take the per-request path. An input batch
 per-request path.
 """
 
+import dataclasses
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,10 +112,20 @@ class LLMEngine:
             params = SamplingParams()
         elif isinstance(params, dict):
             params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
+        elif isinstance(params, SamplingParams):
+            # A copy, checked again: the caller may have changed a field since it was made (the
+            # dataclass is mutable), and may change its object while this request runs.
+            params = dataclasses.replace(params)
+        else:
             raise InvalidRequestError("sampling_params", f"expected SamplingParams or dict, got {type(params).__name__}")
+        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)
+                                         or not math.isfinite(arrival_time)):
+            raise InvalidRequestError("arrival_time", f"must be a finite time.monotonic() value or None, "
+                                      f"got {arrival_time!r}")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:      # a caller's own id took it
+                request_id = f"req-{next(self._ids)}"
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use by an unfinished request")
@@ -139,15 +151,17 @@ class LLMEngine:
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         request.final_only = final_only
         self.scheduler.check_request(request)
+        # Everything that can still fail (loading the tokenizer, the seed's generator) before the
+        # request is queued: a refusal leaves nothing behind.
+        # Without a tokenizer there is no text: outputs carry token ids and an empty text.
+        detok = (IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens, params.min_tokens)
+                 if (params.detokenize or params.stop) and self.lazy_tokenizer.available else None)
+        generator = make_generator(params.seed, self.device) if params.seed is not None else None
         self.scheduler.add_request(request)
         self.requests[request_id] = request
-        # Without a tokenizer there is no text: outputs carry token ids and an empty text.
-        self.detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                                                params.skip_special_tokens)
-                                         if (params.detokenize or params.stop) and self.lazy_tokenizer.available
-                                         else None)
-        if params.seed is not None:
-            self.generators[request_id] = make_generator(params.seed, self.device)
+        self.detokenizers[request_id] = detok
+        if generator is not None:
+            self.generators[request_id] = generator
         if params.logprobs is not None:
             self.logprobs[request_id] = []
         return request_id
@@ -157,6 +171,11 @@ class LLMEngine:
             if isinstance(prompt, str):
                 if prompt == "":
                     raise InvalidRequestError("prompt", "is empty; give at least one character or token")
+                try:
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as e:    # a lone surrogate: the tokenizer would raise a TypeError
+                    raise InvalidRequestError("prompt", f"is not valid Unicode text: {e.reason} at character "
+                                              f"{e.start}") from None
                 if not self.lazy_tokenizer.available:
                     raise InvalidRequestError("prompt", f"is text, but {self.lazy_tokenizer.missing()}; "
                                               "give token ids instead")

@@ -71,8 +71,8 @@ def _args(path):
 
 def test_prompts_file_plain_lines_and_jsonl(tmp_path):
     path = tmp_path / "p.txt"
-    path.write_text('first\n\n{"prompt": "second"}\nthird é\n', encoding="utf-8")
-    assert _read_prompts(_args(path)) == ["first", "second", "third é"]
+    path.write_text('first\n\n{"prompt": "second"}\nthird é\n{"prompt": [5, 6]}\n', encoding="utf-8")
+    assert _read_prompts(_args(path)) == ["first", "second", "third é", [5, 6]]
 
 
 @pytest.mark.parametrize("content, expected", [
@@ -80,6 +80,10 @@ def test_prompts_file_plain_lines_and_jsonl(tmp_path):
     (b"{\"text\": \"x\"}\n", "line 1: JSONL line without a 'prompt' field"),
     (b"\xff\xfe bad\n", "is not UTF-8 text"),
     (b"\n\n", "give --prompt"),
+    # a bare number joined its neighbours into one token-id prompt
+    (b'{"prompt": 5}\n{"prompt": 6}\n', "line 1: 'prompt' must be a string or a non-empty list of token ids, got 5"),
+    (b'{"prompt": []}\n', "line 1: 'prompt' must be a string"),
+    (b'{"prompt": [5, "x"]}\n', "line 1: 'prompt' must be a string"),
 ])
 def test_prompts_file_bad_content_is_named(tmp_path, content, expected):
     path = tmp_path / "p.txt"
@@ -131,3 +135,27 @@ def test_generate_error_is_one_line_with_brackets_kept(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(missing), "--prompt", "hi", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: {missing}: checkpoint directory does not exist"
+
+
+def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
+    """--chat applies a text template: a token-id prompt from a JSONL file is named, not a jinja
+    TypeError."""
+    from pcg_engine import cli
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n{"prompt": [5, 6, 7]}\n')
+    with pytest.raises(SystemExit, match="--chat: prompt 1 is token ids"):
+        cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--chat",
+                  "--prompts-file", str(path), "--max-tokens", "2"])
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--max-num-seqs", "0"], "error: max_num_seqs: got 0; allowed: 1..4096"),
+    (["--input-len", "250", "--output-len", "10", "--max-model-len", "256"], "error: max_tokens: prompt has 250"),
+])
+def test_bench_refused_setting_is_one_line(capsys, flags, expected):
+    """pcg bench: a setting the engine refuses is one line and exit 2 (it was a traceback, exit 1)."""
+    from pcg_engine import cli
+    assert cli.main(["bench", "latency", "--device", "cpu", "--model", "tiny-qwen3", "--modes", "eager",
+                     "--num-iters", "1", "--warmup-iters", "0", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()       # after the bench's own progress lines
+    assert err[-1].startswith(expected) and not any("Traceback" in line for line in err)

@@ -92,7 +92,28 @@ CASES = [
     ("abort-unknown-id", lambda e: e.abort_request("no-such-request"), "request_id", r"not an unfinished request"),
     ("duplicate-request-id", lambda e: e.add_request(_prompt(), None, request_id="good-1"), "request_id",
      r"already in use"),
+    ("arrival-time-str", lambda e: e.add_request(_prompt(), None, arrival_time="now"), "arrival_time",
+     r"finite time.monotonic\(\) value"),
+    ("arrival-time-nan", lambda e: e.add_request(_prompt(), None, arrival_time=math.nan), "arrival_time",
+     r"finite"),
+    ("prompt-lone-surrogate", lambda e: e.add_request("ok \ud800", None), "prompt", r"not valid Unicode"),
+    ("repetition-penalty-underflows", lambda e: e.add_request(_prompt(), {"repetition_penalty": 1e-38}),
+     "repetition_penalty", r"\[0.01, 100\]"),
+    # SamplingParams is a mutable dataclass: a field changed after it was made is checked again.
+    ("params-changed-seed", lambda e: e.add_request(_prompt(), _changed(seed="x")), "seed", r"integer in"),
+    ("params-changed-stop-ids", lambda e: e.add_request(_prompt(), _changed(stop_token_ids=[-5])), "stop_token_ids",
+     r"integers >= 0"),
+    ("params-changed-max-tokens", lambda e: e.add_request(_prompt(), _changed(max_tokens=0)), "max_tokens", r">= 1"),
+    ("params-changed-temperature", lambda e: e.add_request(_prompt(), _changed(temperature=math.nan)),
+     "temperature", r"finite"),
 ]
+
+
+def _changed(**fields) -> SamplingParams:
+    p = SamplingParams(max_tokens=3, seed=1)
+    for name, value in fields.items():
+        setattr(p, name, value)
+    return p
 
 
 @pytest.mark.parametrize("name,bad,field,pattern", CASES, ids=[c[0] for c in CASES])
@@ -194,4 +215,89 @@ def test_abort_in_flight_frees_everything(llm, baseline):
     assert 0 < len(aborted.token_ids) < len(baseline["good-1"][0])
     assert {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()} == {
         rid: v for rid, v in baseline.items() if rid != "good-1"}
+    assert_drained(engine)
+
+
+def test_a_request_that_fails_to_set_up_is_not_queued(llm, monkeypatch):
+    """add_request builds the detokenizer (which loads the tokenizer) and the seed's generator
+    before queueing: a failure there leaves nothing in the engine (it used to leave the request
+    queued, and the next generate() ran it and threw its output away)."""
+    from pcg_engine.engine import llm_engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer.json is broken")
+    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", broken)
+    engine = llm.engine
+    with pytest.raises(RuntimeError, match="broken"):
+        engine.add_request(_prompt(), SamplingParams(max_tokens=3, detokenize=True), request_id="half")
+    assert "half" not in engine.requests and not engine.scheduler.has_unfinished_requests()
+    assert_drained(engine)
+
+
+def test_generate_and_stream_leave_other_requests_outputs_to_their_owner(llm, baseline):
+    """Requests added through the engine by someone else keep running during LLM.generate and
+    LLM.stream, and their outputs are not consumed there: the owner's next step() returns them."""
+    engine = llm.engine
+    for use in ("generate", "stream"):
+        for rid, prompt, params in zip(GOOD_IDS, GOOD_PROMPTS, GOOD_PARAMS):
+            engine.add_request(prompt, params, request_id=rid)
+        mine = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        if use == "generate":
+            seen = []
+            out = llm.generate([_prompt()], mine, on_output=seen.append)[0]
+            assert out.finished and all(o.request_id == out.request_id for o in seen)
+        else:
+            outs = list(llm.stream(_prompt(), mine))
+            assert outs[-1].finished and len({o.request_id for o in outs}) == 1
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()} == baseline, use
+        assert_drained(engine)
+
+
+def test_stream_stopped_early_leaves_no_output_behind(llm):
+    engine = llm.engine
+    stream = llm.stream(_prompt(), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    rid = next(stream).request_id
+    stream.close()
+    left = []
+    while engine.has_unfinished_requests():        # async: the step in flight is still resolved
+        left += engine.step()
+    assert [o for o in left if o.request_id == rid] == []   # its abort output was not left behind
+    assert_drained(engine)
+
+
+def test_automatic_ids_skip_the_ids_callers_chose(llm):
+    engine = llm.engine
+    upcoming = f"req-{next(engine._ids) + 1}"          # the id the next automatic one would take
+    engine.add_request(_prompt(), SamplingParams(max_tokens=2), request_id=upcoming)
+    out = llm.generate([_prompt()], SamplingParams(max_tokens=2))[0]
+    assert out.request_id != upcoming
+    drain(engine)
+    assert_drained(engine)
+
+
+def test_generate_names_the_bad_prompt(llm):
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(["a", "b", [5, VOCAB + 1]], SamplingParams(max_tokens=2))
+    assert info.value.field == "prompt_token_ids" and "(prompt 2 of 3; none of them was run)" in str(info.value)
+    assert str(info.value).startswith("prompt_token_ids: token")
+    assert_drained(llm.engine)
+
+
+def test_min_tokens_holds_stop_strings_back_too(llm):
+    """min_tokens applies to stop strings as it does to EOS and stop_token_ids: a stop string in
+    the text of the first min_tokens tokens does not end the request."""
+    engine = llm.engine
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    text = llm.generate([_prompt()], free)[0].text
+    assert len(text) >= 2
+    stop = text[:2]                                 # occurs at once without min_tokens
+    early = llm.generate([_prompt()], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                     stop=[stop]))[0]
+    held = llm.generate([_prompt()], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                    stop=[stop], min_tokens=8))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 8
+    assert len(held.token_ids) >= 8 and held.text.startswith(text[:len(early.text)])
     assert_drained(engine)
