@@ -7,8 +7,11 @@ can fix its request; nothing here touches the batch the request would have joine
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+import numpy as np
 
 from pcg_engine.errors import InvalidRequestError
 
@@ -21,17 +24,20 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _is_int(v: Any) -> bool:
-    # bool is an int subclass; `True` for max_tokens is a client bug, not a 1.
-    return isinstance(v, int) and not isinstance(v, bool)
+    # bool is an int subclass; `True` for max_tokens is a client bug, not a 1. numpy's integers
+    # are Integral (and come back as plain ints from _check_int).
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
-def _check_int(name: str, v: Any, lo: int | None, hi: int | None, rng: str) -> None:
+def _check_int(name: str, v: Any, lo: int | None, hi: int | None, rng: str) -> int:
     if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         raise InvalidRequestError(name, f"must be an integer {rng}, got {v!r}")
+    return int(v)
 
 
 def _check_float(name: str, v: Any, ok, rng: str) -> float:
-    if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v) or not ok(v):
+    if (not isinstance(v, numbers.Real) or isinstance(v, (bool, np.bool_)) or not math.isfinite(v)
+            or not ok(v)):
         raise InvalidRequestError(name, f"must be a finite number {rng}, got {v!r}")
     return float(v)
 
@@ -64,13 +70,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
         self.temperature = _check_float("temperature", self.temperature, lambda v: v >= 0,
                                         ">= 0 (0 means greedy)")
         self.top_p = _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise InvalidRequestError(
                 "top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        self.top_k = int(self.top_k)
         self.min_p = _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
         # Bounded: the penalty divides float32 logits, and below ~1e-38 it is 0 there (every logit
         # then inf or NaN: token 0 for every row it touches).
@@ -80,22 +87,22 @@ class SamplingParams:
             setattr(self, name, _check_float(name, getattr(self, name),
                                              lambda v: -2 <= v <= 2, "in [-2, 2]"))
         if self.seed is not None:
-            _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX,
+            self.seed = _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX,
                        f"in [{_SEED_MIN}, {_SEED_MAX}] or null")
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
+            self.logprobs = _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
                        f"in [0, {MAX_LOGPROBS}] or null")
-        _check_int("min_tokens", self.min_tokens, 0, None, ">= 0")
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, 0, None, ">= 0")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens}")
         _check_bool("detokenize", self.detokenize)
         if self.truncate_prompt_tokens is not None:
-            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None,
+            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None,
                        ">= 1 or null")
         _check_bool("skip_special_tokens", self.skip_special_tokens)
 
@@ -125,7 +132,7 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise InvalidRequestError(
                     "stop_token_ids", f"must be a list of integers >= 0, got item {t!r}")
-        return list(ids)
+        return [int(t) for t in ids]
 
     @property
     def greedy(self) -> bool:

@@ -71,7 +71,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="checkpoint directory or preset name (tiny-qwen3, qwen3-0.6b, ...; built on first use)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    p.add_argument("--json", default=None, type=json_path, metavar="PATH", help="write the results as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the random dataset")
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=None)
@@ -273,6 +273,18 @@ def print_table(title: str, headers: list[str], rows: list[list], console=None) 
     if not console.is_terminal:      # logs and pipes: rich's 80 columns would squeeze the numbers
         console = Console(width=200, file=console.file)
     console.print(table)
+
+
+def json_path(value: str) -> str:
+    """argparse type of --json: refused before the benchmark runs (not after minutes of it) when it
+    names a directory or sits under a file."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file path")
+    parent = next((q for q in path.parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r}: {parent} is a file, not a directory")
+    return value
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -12,7 +12,7 @@ import resource
 import time
 from pathlib import Path
 
-from pcg_engine.bench.common import env_record, print_table, resolve_model, write_json
+from pcg_engine.bench.common import env_record, json_path, print_table, resolve_model, write_json
 
 
 def _read_files(files) -> float:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny-qwen3")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, type=json_path)
     args = p.parse_args(argv)
     import torch
 

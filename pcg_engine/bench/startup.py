@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from pcg_engine.bench.common import env_record, int_at_least, print_table, resolve_model, write_json
+from pcg_engine.bench.common import env_record, int_at_least, json_path, print_table, resolve_model, write_json
 
 _CHILD = """
 import json, os, sys, time
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int_at_least(1), default=256)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, type=json_path)
     p.add_argument("--profile-dir", default=None, help="write a cProfile summary of each run (cold.txt, warm.txt) here")
     p.add_argument("--warm-ab", default=None, type=_ab_switch, metavar="VAR=A,B",
                    help="an A/B of warm starts: after the cold run, warm runs with the environment variable VAR "

@@ -18,6 +18,7 @@ per-request path.
 import dataclasses
 import itertools
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,8 @@ class LLMEngine:
         wants just the result, like LLM.generate without on_output, saves the per-step object)."""
         if self.closed:
             raise EngineClosedError("add_request")
+        if not isinstance(final_only, bool):
+            raise InvalidRequestError("final_only", f"must be true or false, got {final_only!r}")
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -182,6 +185,8 @@ class LLMEngine:
                 prompt_token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             elif isinstance(prompt, (list, tuple)):
                 prompt_token_ids = prompt
+            elif type(prompt).__module__ == "numpy" and getattr(prompt, "ndim", None) == 1:
+                prompt_token_ids = prompt.tolist()     # a numpy array of ids: plain ints (a float array stays floats)
             else:
                 raise InvalidRequestError("prompt", f"expected a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt_token_ids)
@@ -193,10 +198,13 @@ class LLMEngine:
         if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < self.vocab_size:
             return ids
         for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise InvalidRequestError("prompt_token_ids", f"token {t!r} at position {i} is not an integer; "
+                                          f"allowed: integers 0..{self.vocab_size - 1}")
+            if not 0 <= t < self.vocab_size:
                 raise InvalidRequestError("prompt_token_ids", f"token {t!r} at position {i} is outside the "
                                           f"vocabulary; allowed: integers 0..{self.vocab_size - 1}")
-        return ids
+        return [int(t) for t in ids]                 # numpy integers as plain ints
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(str(request_id))

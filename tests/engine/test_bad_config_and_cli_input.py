@@ -159,3 +159,17 @@ def test_bench_refused_setting_is_one_line(capsys, flags, expected):
                      "--num-iters", "1", "--warmup-iters", "0", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()       # after the bench's own progress lines
     assert err[-1].startswith(expected) and not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("where, expected", [("dir", "is a directory"), ("under-file", "is a file, not a directory")])
+def test_bench_json_path_refused_before_running(tmp_path, capsys, where, expected):
+    """--json naming a directory, or a path under a file, is refused at once (it failed after the
+    whole benchmark had run, with a traceback and no results)."""
+    from pcg_engine import cli
+    (tmp_path / "afile").write_text("x")
+    path = tmp_path if where == "dir" else tmp_path / "afile" / "out.json"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "latency", "--device", "cpu", "--model", "tiny-qwen3", "--json", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and expected in err and "building the engine" not in err

@@ -92,6 +92,9 @@ CASES = [
     ("abort-unknown-id", lambda e: e.abort_request("no-such-request"), "request_id", r"not an unfinished request"),
     ("duplicate-request-id", lambda e: e.add_request(_prompt(), None, request_id="good-1"), "request_id",
      r"already in use"),
+    ("token-id-text", lambda e: e.add_request([5, "6"], None), "prompt_token_ids", r"position 1 is not an integer"),
+    ("token-id-nested", lambda e: e.add_request([[5, 6]], None), "prompt_token_ids", r"position 0 is not an integer"),
+    ("final-only-not-bool", lambda e: e.add_request(_prompt(), None, final_only="no"), "final_only", r"true or false"),
     ("arrival-time-str", lambda e: e.add_request(_prompt(), None, arrival_time="now"), "arrival_time",
      r"finite time.monotonic\(\) value"),
     ("arrival-time-nan", lambda e: e.add_request(_prompt(), None, arrival_time=math.nan), "arrival_time",
@@ -300,4 +303,24 @@ def test_min_tokens_holds_stop_strings_back_too(llm):
                                                     stop=[stop], min_tokens=8))[0]
     assert early.finish_reason == "stop" and len(early.token_ids) < 8
     assert len(held.token_ids) >= 8 and held.text.startswith(text[:len(early.text)])
+    assert_drained(engine)
+
+
+def test_numpy_ids_and_numbers_are_taken_as_plain_ones(llm):
+    """numpy integers (prompt ids, a 1-D id array, sampling fields) are integers: taken, as plain
+    Python ints (they were refused as 'outside the vocabulary' / 'must be an integer')."""
+    import numpy as np
+    engine = llm.engine
+    prompt = _prompt()
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    params = SamplingParams(temperature=np.float32(0.0), max_tokens=np.int64(4), ignore_eos=True,
+                            top_k=np.int32(5), stop_token_ids=[np.int64(3)], min_tokens=np.int16(4))
+    assert type(params.max_tokens) is int and type(params.top_k) is int and type(params.stop_token_ids[0]) is int
+    assert type(params.temperature) is float
+    for ids in ([np.int64(t) for t in prompt], np.array(prompt)):
+        out = llm.generate([ids], params)[0]
+        assert out.token_ids == plain.token_ids and out.prompt_token_ids == prompt
+        assert all(type(t) is int for t in out.prompt_token_ids)
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids: token 5.0 at position 0 is not an integer"):
+        engine.add_request(np.array([5.0, 6.0]), None)
     assert_drained(engine)
