@@ -9,7 +9,7 @@ class InvalidRequestError(PcgError, ValueError):
     """A request (prompt or sampling parameter) the engine refuses; the batch keeps running."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"{field}: {message}")
 
 

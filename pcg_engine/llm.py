@@ -33,9 +33,11 @@ class LLM:
         """Run every prompt to completion; outputs in prompt order.
 
         Every prompt is validated before any is queued, so one bad prompt raises (naming its
-        field) without running the others half-way. If the call is stopped by an exception (the
-        callback raising, Ctrl-C), the requests it queued are aborted: the next call does not run
-        them."""
+        field and, among several, which prompt) without running the others half-way. If the call
+        is stopped by an exception (the callback raising, Ctrl-C), the requests it queued are
+        aborted: the next call does not run them. Requests that others added to the engine keep
+        running meanwhile; their outputs are not this call's (on_output does not see them) and stay
+        with the engine: its next step() returns them first."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         elif not isinstance(prompts, Sequence):
@@ -54,8 +56,8 @@ class LLM:
                     if len(prompts) == 1:
                         raise
                     # Which of the prompts: the field alone does not say.
-                    raise InvalidRequestError(e.field, f"{str(e)[len(e.field) + 2:]} (prompt {i} of "
-                                              f"{len(prompts)}; none of them was run)") from None
+                    raise InvalidRequestError(e.field, f"{e.message} (prompt {i} of {len(prompts)}; "
+                                              "none of them was run)") from None
             mine = set(ids)
             while len(finals) < len(ids):
                 for out in self.engine.step():

@@ -185,8 +185,8 @@ class LLMEngine:
                 prompt_token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             elif isinstance(prompt, (list, tuple)):
                 prompt_token_ids = prompt
-            elif type(prompt).__module__ == "numpy" and getattr(prompt, "ndim", None) == 1:
-                prompt_token_ids = prompt.tolist()     # a numpy array of ids: plain ints (a float array stays floats)
+            elif getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):
+                prompt_token_ids = prompt.tolist()     # a numpy array or tensor of ids (floats stay floats: refused)
             else:
                 raise InvalidRequestError("prompt", f"expected a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt_token_ids)

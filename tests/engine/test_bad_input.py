@@ -307,7 +307,7 @@ def test_min_tokens_holds_stop_strings_back_too(llm):
 
 
 def test_numpy_ids_and_numbers_are_taken_as_plain_ones(llm):
-    """numpy integers (prompt ids, a 1-D id array, sampling fields) are integers: taken, as plain
+    """numpy integers (prompt ids, a 1-D id array or tensor, sampling fields) are integers: taken, as plain
     Python ints (they were refused as 'outside the vocabulary' / 'must be an integer')."""
     import numpy as np
     engine = llm.engine
@@ -317,7 +317,8 @@ def test_numpy_ids_and_numbers_are_taken_as_plain_ones(llm):
                             top_k=np.int32(5), stop_token_ids=[np.int64(3)], min_tokens=np.int16(4))
     assert type(params.max_tokens) is int and type(params.top_k) is int and type(params.stop_token_ids[0]) is int
     assert type(params.temperature) is float
-    for ids in ([np.int64(t) for t in prompt], np.array(prompt)):
+    import torch
+    for ids in ([np.int64(t) for t in prompt], np.array(prompt), torch.tensor(prompt)):
         out = llm.generate([ids], params)[0]
         assert out.token_ids == plain.token_ids and out.prompt_token_ids == prompt
         assert all(type(t) is int for t in out.prompt_token_ids)
