@@ -213,6 +213,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:   # Ctrl-C: the shell's convention (128 + SIGINT), not a traceback
         print("pcg: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise               # argparse's own exits (--help, a bad flag) keep their codes
+        # A refusal raised as SystemExit("--flag: ..."): one line and exit 2, as argparse and the
+        # engine's own errors give (Python would print it bare and exit 1).
+        print(f"error: {e.code}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

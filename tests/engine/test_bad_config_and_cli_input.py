@@ -143,9 +143,26 @@ def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
     from pcg_engine import cli
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hi"}\n{"prompt": [5, 6, 7]}\n')
-    with pytest.raises(SystemExit, match="--chat: prompt 1 is token ids"):
-        cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--chat",
-                  "--prompts-file", str(path), "--max-tokens", "2"])
+    assert cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--chat",
+                     "--prompts-file", str(path), "--max-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip().endswith("error: --chat: prompt 1 is token ids; the chat template "
+                                                   "needs text prompts")
+
+
+def test_cli_refusals_raised_as_system_exit_are_one_error_line(tmp_path, capsys):
+    """--prompts-file problems (and the other SystemExit("...") refusals) exit 2 with 'error:', like
+    argparse's and the engine's (they exited 1 with the bare message)."""
+    from pcg_engine import cli
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": 5}\n')
+    assert cli.main(["generate", "--device", "cpu", "--prompts-file", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --prompts-file: line 1: 'prompt' must be a string or a "
+                                               "non-empty list of token ids, got 5")
+    assert cli.main(["generate", "--device", "cpu", "--prompts-file", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: --prompts-file: cannot read")
+    with pytest.raises(SystemExit) as e:          # argparse's own exit is untouched
+        cli.main(["generate", "--max-tokens", "many"])
+    assert e.value.code == 2
 
 
 @pytest.mark.parametrize("flags, expected", [
