@@ -117,18 +117,36 @@ def defined_kernels(package) -> set[tuple[str, str]]:
     return found
 
 
-def compile_task(task: dict) -> tuple[str | None, float, float]:
-    """(None or the compiler's error message, wall seconds, CPU seconds incl. ptxas). Runs in a
-    worker process; CPU time is what a compile costs whatever else the machine is running."""
+def compile_task(task: dict) -> tuple[str | None, float, float, int]:
+    """(None or the compiler's error message, wall seconds, CPU seconds incl. ptxas, the number of
+    asynchronous global-to-shared copies in the TTGIR: > 0 where the software pipeliner
+    multi-buffered a loop's loads). Runs in a worker process; CPU time is what a compile costs
+    whatever else the machine is running."""
     kernel = getattr(importlib.import_module(task["module"]), task["name"])
     start, cpu = time.perf_counter(), _cpu()
-    error = None
+    error, async_copies = None, 0
     try:
         src = ASTSource(kernel, task["signature"], constexprs=task["constexprs"], attrs=task["attrs"])
-        triton.compile(src, target=TARGET, options=task["options"])
+        compiled = triton.compile(src, target=TARGET, options=task["options"])
+        async_copies = compiled.asm.get("ttgir", "").count("async_copy_global_to_local")
     except Exception as e:  # noqa: BLE001 - every compiler failure is the finding to report
         error = f"{type(e).__name__}: {e}"
-    return error, time.perf_counter() - start, _cpu() - cpu
+    return error, time.perf_counter() - start, _cpu() - cpu, async_copies
+
+
+def constexpr(task: dict, name: str):
+    """The value of the task's constexpr `name` (None if it is not one)."""
+    names = list(task["signature"])
+    return next((v for (i,), v in task["constexprs"].items() if names[i] == name), None)
+
+
+def must_pipeline(task: dict) -> bool:
+    """Decode attention with num_stages >= 2 streams K/V tiles in a loop: its loads must be
+    multi-buffered (session 15 found Triton 3.6 does it at the engine's real specialisation; a
+    change that lost it, e.g. an argument that stops being divisible by 16, would cost the long
+    contexts their bandwidth with no test failing)."""
+    return (task["name"] == "_unified_attention_kernel" and constexpr(task, "DECODE") is True
+            and task["options"].get("num_stages", 1) >= 2)
 
 
 def _cpu() -> float:

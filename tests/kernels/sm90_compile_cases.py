@@ -275,13 +275,18 @@ def main(only: list[str]) -> int:
     # spawn: fresh workers that import triton with TRITON_INTERPRET=0 and no torch threads forked
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         results = pool.imap(sc.compile_task, [task for _, task in tasks])
-        for (label, task), (error, seconds, task_cpu) in zip(tasks, results):
+        for (label, task), (error, seconds, task_cpu, async_copies) in zip(tasks, results):
             cpu += task_cpu
             expect_fail = label == sc.SELF_TEST   # the bad kernel: this check must refuse it
             ok = (error is not None) if expect_fail else error is None
+            unpipelined = ok and not expect_fail and sc.must_pipeline(task) and async_copies == 0
+            ok = ok and not unpipelined
             failures += not ok
             status = "OK  " if ok else "FAIL"
-            print(f"{status} {seconds:5.1f}s  {label}: {sc.describe(task)}", flush=True)
+            print(f"{status} {seconds:5.1f}s  {label}: {sc.describe(task)}"
+                  + (f" [{async_copies} async copies]" if sc.must_pipeline(task) else ""), flush=True)
+            if unpipelined:
+                print("    the decode loop's K/V loads are not multi-buffered (no async copy in the TTGIR)", flush=True)
             if error is not None:
                 print("    " + error.strip().replace("\n", "\n    "), flush=True)
             elif expect_fail:
