@@ -65,6 +65,16 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
+def _name_the_flag(error: Exception, args) -> str:
+    """An engine error names the EngineConfig or SamplingParams field; on the command line the
+    user typed a flag: "--max-tokens (max_tokens): ..." where this command has that flag."""
+    field = getattr(error, "field", None)
+    text = str(error)
+    if field and hasattr(args, field) and text.startswith(f"{field}: "):
+        return f"--{field.replace('_', '-')} ({field}): {text[len(field) + 2:]}"
+    return text
+
+
 def _dump_graph(llm, directory: str, err) -> None:
     """--dump-graph: the compiled forward's graphs (compile/backend.py's dump_graph), or an error in
     a mode that compiles nothing."""
@@ -136,7 +146,7 @@ def cmd_generate(args) -> int:
     except (PcgError, ValueError) as e:
         # escape: a message quoting a path or stop string with [brackets] is not rich markup;
         # soft_wrap: one line, whatever the terminal's width (logs get grepped)
-        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(_name_the_flag(e, args))}", soft_wrap=True)
         return 2
     for prompt, out in zip(prompts, outs):
         if args.json:

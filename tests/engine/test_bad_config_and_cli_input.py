@@ -190,3 +190,15 @@ def test_bench_json_path_refused_before_running(tmp_path, capsys, where, expecte
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--json" in err and expected in err and "building the engine" not in err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--max-tokens", "0"], "error: --max-tokens (max_tokens): must be an integer >= 1, got 0"),
+    (["--top-p", "2"], "error: --top-p (top_p): must be a finite number in (0, 1], got 2.0"),
+    (["--max-num-seqs", "0"], "error: --max-num-seqs (max_num_seqs): got 0; allowed: 1..4096"),
+])
+def test_generate_errors_name_the_flag(capsys, flags, expected):
+    """pcg generate: an engine error names the flag the user typed, with the field it sets."""
+    from pcg_engine import cli
+    assert cli.main(["generate", "--device", "cpu", "--prompt", "hi", *flags]) == 2
+    assert capsys.readouterr().err.strip() == expected
