@@ -139,8 +139,12 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
         n, L = len(ids), self.max_model_len
+        if n >= L:      # the prompt alone: no max_tokens would fit
+            raise InvalidRequestError("prompt_token_ids", f"prompt has {n} tokens, max_model_len is {L}; allowed: at "
+                                      f"most {L - 1} prompt tokens, to leave room for one new token (or set "
+                                      "truncate_prompt_tokens to shorten the prompt)")
         if n + params.max_tokens > L:
-            hint = f"1..{L - n}" if n < L else "none: the prompt alone fills max_model_len"
+            hint = f"1..{L - n}"
             raise InvalidRequestError("max_tokens", f"prompt has {n} tokens and max_tokens is {params.max_tokens}, "
                                       f"beyond max_model_len {L}; max_tokens allowed: {hint} (or set "
                                       "truncate_prompt_tokens to shorten the prompt)")

@@ -64,7 +64,7 @@ CASES = [
     ("beyond-max-model-len", lambda e: e.add_request(_prompt(10), {"max_tokens": MAX_MODEL_LEN}),
      "max_tokens", rf"max_model_len {MAX_MODEL_LEN}.*allowed: 1\.\.{MAX_MODEL_LEN - 10}"),
     ("prompt-fills-max-model-len", lambda e: e.add_request(_prompt(MAX_MODEL_LEN), {"max_tokens": 1}),
-     "max_tokens", rf"max_model_len {MAX_MODEL_LEN}"),
+     "prompt_token_ids", rf"max_model_len is {MAX_MODEL_LEN}; allowed: at most {MAX_MODEL_LEN - 1} prompt tokens"),
     ("max-tokens-0", lambda e: e.add_request(_prompt(), {"max_tokens": 0}), "max_tokens", r">= 1"),
     ("max-tokens-negative", lambda e: e.add_request(_prompt(), {"max_tokens": -3}), "max_tokens", r">= 1"),
     ("max-tokens-bool", lambda e: e.add_request(_prompt(), {"max_tokens": True}), "max_tokens", r">= 1"),
