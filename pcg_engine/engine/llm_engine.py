@@ -174,6 +174,8 @@ class LLMEngine:
         return request_id
 
     def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
+        if prompt is not None and prompt_token_ids is not None:
+            raise InvalidRequestError("prompt", "give either prompt or prompt_token_ids, not both")
         if prompt_token_ids is None:
             if isinstance(prompt, str):
                 if prompt == "":

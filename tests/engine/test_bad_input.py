@@ -94,6 +94,7 @@ CASES = [
      r"already in use"),
     ("token-id-text", lambda e: e.add_request([5, "6"], None), "prompt_token_ids", r"position 1 is not an integer"),
     ("token-id-nested", lambda e: e.add_request([[5, 6]], None), "prompt_token_ids", r"position 0 is not an integer"),
+    ("prompt-and-ids", lambda e: e.add_request("hi", None, prompt_token_ids=[5, 6]), "prompt", r"not both"),
     ("final-only-not-bool", lambda e: e.add_request(_prompt(), None, final_only="no"), "final_only", r"true or false"),
     ("arrival-time-str", lambda e: e.add_request(_prompt(), None, arrival_time="now"), "arrival_time",
      r"finite time.monotonic\(\) value"),
