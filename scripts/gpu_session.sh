@@ -19,7 +19,7 @@
 # (P1 full_decode, PCG_FUSED_ROPE_ATTENTION=0/1 alternated twice; ROPE_MODES), p1ab (P1 with AB_VAR=each of AB_VALUES,
 # alternated twice; AB_MODEL, P1_MODES), p2ab (P2 with AB_VAR=each of AB_VALUES, alternated twice),
 # p1tree (P1 of this tree against the base tree in AB_TREE, alternated twice; TREE_VALUES like "base new:VAR=x new"),
-# hostinfo (lscpu, NUMA, governor), p1pin (P1 as is / under taskset -c N / with MALLOC_ARENA_MAX=1: PIN_VALUES off, tasksetN, arena1, alternated twice; P1_MODES),
+# hostinfo (lscpu, NUMA, governor), p1pin (P1 as is / under taskset -c N / with MALLOC_ARENA_MAX=1 / with huge pages for the Python heap: PIN_VALUES off, tasksetN, arena1, thp, alternated twice; P1_MODES),
 # drift (scripts/host_drift.py with PCG_FULL_GRAPH_WARMUP_EVERY=each of DRIFT_VALUES; DRIFT_MODE, DRIFT_WINDOWS),
 # capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
@@ -153,9 +153,12 @@ part() {
     hostinfo) { nproc; env | grep -iE "malloc|preload|omp_|mkl"; python3 -c "import torch; print(open('/proc/self/maps').read())" | grep -iE "jemalloc|tcmalloc|mimalloc" | head -3; lscpu; numactl -H 2>&1 | head -5; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} 2>&1; grep -m3 MHz /proc/cpuinfo; head -1 /proc/stat
           cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>&1; } > $OUT/hostinfo.txt 2>&1; head -30 $OUT/hostinfo.txt ;;
     p1pin) for i in 1 2; do for v in ${PIN_VALUES:-off taskset2}; do   # A/B, alternated twice: P1 (P1_MODES) as is (off),
-            # with the whole process under taskset -c N (tasksetN), or with glibc's MALLOC_ARENA_MAX=1 (arena1)
+            # with the whole process under taskset -c N (tasksetN), with glibc's MALLOC_ARENA_MAX=1 (arena1), or thp
             pin=
-            case $v in taskset*) pin="taskset -c ${v#taskset}" ;; arena1) pin="env MALLOC_ARENA_MAX=1" ;; esac
+            # thp: every Python allocation through glibc malloc, which madvises transparent huge pages
+            # (glibc >= 2.35; THP "madvise" leaves pymalloc's arenas on 4 KiB pages otherwise)
+            case $v in taskset*) pin="taskset -c ${v#taskset}" ;; arena1) pin="env MALLOC_ARENA_MAX=1" ;;
+              thp) pin="env PYTHONMALLOC=malloc GLIBC_TUNABLES=glibc.malloc.hugetlb=1" ;; esac
             $pin timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) --modes ${P1_MODES:-full_decode,piecewise} \
               --num-iters 2 --warmup-iters 1 --json $OUT/p1pin_$v-$i.json 2>&1 | grep -E "full_decode|piecewise|mode|the OS" | sed "s/^/pin=$v run $i /"
           done; done ;;
