@@ -114,7 +114,7 @@ def test_generate_dump_graph(dense_path, tmp_path, capsys, monkeypatch):
     assert len([line for line in err.splitlines() if line.startswith("start-up: weights ")]) == 1
     assert "Dynamo " in err and "Inductor " in err
     assert cli.main(argv + ["--mode", "eager"]) == 2
-    assert "error: mode: --dump-graph needs a compiled mode" in capsys.readouterr().err
+    assert "error: --mode (mode): --dump-graph needs a compiled mode" in capsys.readouterr().err
 
 
 def test_generate_stop(cli_env, dense_path, in_process):
