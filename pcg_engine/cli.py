@@ -65,12 +65,12 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
-def _name_the_flag(error: Exception, args) -> str:
+def _name_the_flag(error: Exception, has_flag) -> str:
     """An engine error names the EngineConfig or SamplingParams field; on the command line the
-    user typed a flag: "--max-tokens (max_tokens): ..." where this command has that flag."""
+    user typed a flag: "--max-tokens (max_tokens): ..." where has_flag(field) says there is one."""
     field = getattr(error, "field", None)
     text = str(error)
-    if field and hasattr(args, field) and text.startswith(f"{field}: "):
+    if field and has_flag(field) and text.startswith(f"{field}: "):
         return f"--{field.replace('_', '-')} ({field}): {text[len(field) + 2:]}"
     return text
 
@@ -122,9 +122,9 @@ def cmd_generate(args) -> int:
         if args.dump_graph:
             _dump_graph(llm, args.dump_graph, err)
         if args.chat:
-            ids = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
-            if ids is not None:
-                raise SystemExit(f"--chat: prompt {ids} is token ids; the chat template needs text prompts")
+            bad = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
+            if bad is not None:
+                raise SystemExit(f"--chat: prompt {bad} is token ids; the chat template needs text prompts")
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                          add_generation_prompt=True) for p in prompts]
         t1 = time.perf_counter()
@@ -146,7 +146,8 @@ def cmd_generate(args) -> int:
     except (PcgError, ValueError) as e:
         # escape: a message quoting a path or stop string with [brackets] is not rich markup;
         # soft_wrap: one line, whatever the terminal's width (logs get grepped)
-        err.print(f"[red]error:[/red] {escape(_name_the_flag(e, args))}", soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(_name_the_flag(e, lambda field: hasattr(args, field)))}",
+                  soft_wrap=True)
         return 2
     for prompt, out in zip(prompts, outs):
         if args.json:
@@ -207,7 +208,10 @@ def cmd_bench(args) -> int:
     try:
         return module.main(args.rest) or 0
     except PcgError as e:       # a setting the engine refuses: one line naming it, as `generate` does
-        print(f"error: {e}", file=sys.stderr)
+        def typed(field):       # the flag, where the user gave it (--flag value or --flag=value)
+            flag = f"--{field.replace('_', '-')}"
+            return any(a == flag or a.startswith(flag + "=") for a in args.rest)
+        print(f"error: {_name_the_flag(e, typed)}", file=sys.stderr)
         return 2
 
 

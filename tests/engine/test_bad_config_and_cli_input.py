@@ -166,7 +166,9 @@ def test_cli_refusals_raised_as_system_exit_are_one_error_line(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--max-num-seqs", "0"], "error: max_num_seqs: got 0; allowed: 1..4096"),
+    (["--max-num-seqs", "0"], "error: --max-num-seqs (max_num_seqs): got 0; allowed: 1..4096"),
+    (["--max-num-seqs=0"], "error: --max-num-seqs (max_num_seqs): got 0"),
+    # the field the engine names is not a flag the user typed: as it is
     (["--input-len", "250", "--output-len", "10", "--max-model-len", "256"], "error: max_tokens: prompt has 250"),
 ])
 def test_bench_refused_setting_is_one_line(capsys, flags, expected):
