@@ -185,7 +185,7 @@ def _add_make_model(sub):
     from pcg_engine.models.checkpoint_maker import add_arguments, run
     p = sub.add_parser("make-model", help="write a Hugging Face checkpoint with random weights at a preset's shapes")
     add_arguments(p)
-    p.set_defaults(func=lambda a: (print(run(a)), 0)[1])
+    p.set_defaults(func=lambda a: (run(a), 0)[1])   # run() prints the path
 
 
 def _add_bench(sub):

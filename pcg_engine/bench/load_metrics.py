@@ -23,8 +23,11 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
             ms = float(value)
         except ValueError:
             ms = -1.0
-        if not sep or key not in SLO_KEYS or ms <= 0:
-            raise SystemExit(f"--goodput: {item!r} is not KEY:MS with KEY in {', '.join(SLO_KEYS)} and MS > 0")
+        if not sep or key not in SLO_KEYS or not 0 < ms < float("inf"):    # (NaN fails too: it met every SLO)
+            raise SystemExit(f"--goodput: {item!r} is not KEY:MS with KEY in {', '.join(SLO_KEYS)} and MS a finite "
+                             "number > 0")
+        if key in slos:
+            raise SystemExit(f"--goodput: {key} is given twice")
         slos[key] = ms
     return slos
 

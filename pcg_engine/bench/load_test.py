@@ -198,6 +198,9 @@ def check_args(args) -> None:
               ("--sweep-attainment", args.sweep_attainment, 0 < args.sweep_attainment <= 1, "a number in (0, 1]")]
     if args.timeout is not None:
         checks.append(("--timeout", args.timeout, args.timeout > 0, "seconds > 0"))
+    if args.sweep_start is not None:   # (0 was taken as "unset", a NaN swept at rate nan)
+        checks.append(("--sweep-start", args.sweep_start, 0 < args.sweep_start < float("inf"), "a number > 0"))
+    checks.append(("--seed", args.seed, args.seed >= 0, "an integer >= 0 (numpy's generator)"))
     for flag, value, ok, allowed in checks:
         if not ok:   # (a NaN fails every comparison, so it lands here too)
             raise SystemExit(f"pcg bench load-test: {flag} must be {allowed}, got {value}")

@@ -32,14 +32,19 @@ from pathlib import Path
 import torch
 
 from pcg_engine.compile import saved_trace
+from pcg_engine.errors import PcgError
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 _SOURCE_ROOT = Path(__file__).resolve().parents[1]   # the pcg_engine package
 
 
-class CompileCacheError(PermissionError):
-    pass
+class CompileCacheError(PcgError, PermissionError):
+    """The compile cache's directory cannot be used (EngineConfig.compile_cache_dir)."""
+
+    def __init__(self, message: str):
+        self.field = "compile_cache_dir"
+        super().__init__(f"compile_cache_dir: {message}")
 
 
 def default_cache_root() -> Path:
@@ -149,8 +154,12 @@ class CompileCache:
     def open(self) -> str:
         """Create/verify the directories; returns 'hit' or 'miss'. Holds the key's lock until close()."""
         if not self.root.exists():
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-            os.chmod(self.root, 0o700)   # makedirs' mode is masked by the umask
+            try:
+                os.makedirs(self.root, mode=0o700, exist_ok=True)
+                os.chmod(self.root, 0o700)   # makedirs' mode is masked by the umask
+            except OSError as e:   # a path under a file, a read-only place
+                raise CompileCacheError(f"cannot create {self.root}: {e.strerror or e}; choose another directory "
+                                        "(or compile_cache=False)") from None
         check_private(self.root)
         self._lock()
         try:

@@ -269,15 +269,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                         help="weight dtype (default: the preset's, bf16 for published shapes)")
     parser.add_argument("--device", default="cpu", help="where random values are drawn: cpu|cuda")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a directory that is not empty (its config, tokenizer and model*.safetensors "
+                             "files are replaced or deleted)")
     return parser
 
 
 def run(args: argparse.Namespace) -> Path:
     """`pcg make-model`: a bad setting or an output directory that cannot be written is reported
     by name in one line, not as a traceback."""
+    if not str(args.out).strip():
+        raise SystemExit("pcg make-model: --out: is empty; give the checkpoint directory to write")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise SystemExit(f"pcg make-model: --out: {args.out} exists and is not a directory")
+    # A directory with files in it may hold someone's own checkpoint: its config would be replaced
+    # and its model*.safetensors shards deleted (a stale shard must not outlive a re-run).
+    if out.is_dir() and any(out.iterdir()) and not getattr(args, "overwrite", False):
+        raise SystemExit(f"pcg make-model: --out: {args.out} is not empty; give a new or empty directory, "
+                         "or --overwrite to replace its checkpoint files")
     try:
         path = make_checkpoint(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size,
                                dtype=args.dtype, device=args.device)

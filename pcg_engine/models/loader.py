@@ -10,6 +10,7 @@ Every failure names the file and the tensor or field; a failed load leaves no mo
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -37,8 +38,15 @@ def weight_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: invalid index ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names, got "
+                                  f"{json.dumps(weight_map)[:80]}")
         files = sorted({path / f for f in weight_map.values()})
         for f in files:
+            # A shard outside the checkpoint ("../x", an absolute path) is not this checkpoint's.
+            # Lexically, not resolved: a hub cache's snapshot holds symlinks into its blobs.
+            if Path(os.path.normpath(f)).parent != Path(os.path.normpath(path)):
+                raise CheckpointError(f"{index}: weight file {f.name!r} ({f}) is outside the checkpoint directory")
             if not f.is_file():
                 raise CheckpointError(f"{f}: listed in {index.name} but missing")
         return files

@@ -314,3 +314,23 @@ def test_cache_disabled(tiny_dense, tmp_path, dense_eager):
     assert not root.exists()
     assert runner.timings["inductor_cache_hits"] == 0
     _same_as(dense_eager, runner)
+
+
+def test_unusable_cache_path_is_named_as_the_config_field(tmp_path, capsys, monkeypatch):
+    """A cache path under a file (or anywhere it cannot be created) and a shared cache directory
+    are PcgErrors naming compile_cache_dir: `pcg generate` prints one line and exits 2 (a raw
+    NotADirectoryError / a traceback before)."""
+    from pcg_engine import cli
+    from pcg_engine.errors import PcgError
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    with pytest.raises(CompileCacheError, match=r"^compile_cache_dir: cannot create .*f/sub") as info:
+        CompileCache(a_file / "sub", FIELDS).open()
+    assert isinstance(info.value, PcgError) and info.value.field == "compile_cache_dir"
+    shared = tmp_path / ".cache" / "pcg_engine" / "compile"
+    shared.mkdir(parents=True)
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cli.main(["generate", "--device", "cpu", "--mode", "compile", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: compile_cache_dir: refusing compile cache directory") and "0o777" in err

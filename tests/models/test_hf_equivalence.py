@@ -325,3 +325,29 @@ def test_sharded_index_names_missing_shard(ckpt_copy):
     (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps(index))
     msg = load_error(ckpt_copy)
     assert "model-00002-of-00002.safetensors" in msg and "missing" in msg
+
+
+@pytest.mark.parametrize("weight_map, expected", [
+    (["a"], "weight_map must map tensor names to file names"),
+    ({K: 5}, "weight_map must map tensor names to file names"),
+    ({K: "../elsewhere/model.safetensors"}, "is outside the checkpoint directory"),
+    ({K: "/etc/model.safetensors"}, "is outside the checkpoint directory"),
+])
+def test_sharded_index_of_the_wrong_form_or_outside_is_named(ckpt_copy, weight_map, expected):
+    """Found by probing: a list weight_map raised an AttributeError; a shard path leaving the
+    checkpoint directory was read from there."""
+    (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    msg = load_error(ckpt_copy)
+    assert "model.safetensors.index.json" in msg and expected in msg
+
+
+def test_sharded_index_through_symlinks_loads(ckpt_copy, tmp_path):
+    """A hub cache's snapshot holds symlinks into its blobs: the shard check is on the listed path,
+    not the resolved one."""
+    from pcg_engine.models.loader import weight_files
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (ckpt_copy / "model.safetensors").rename(blobs / "abc123")
+    (ckpt_copy / "model.safetensors").symlink_to(blobs / "abc123")
+    (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {K: "model.safetensors"}}))
+    assert weight_files(ckpt_copy) == [ckpt_copy / "model.safetensors"]

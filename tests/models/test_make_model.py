@@ -200,7 +200,29 @@ def test_ensure_default_model_builds_once(tmp_path, monkeypatch):
 def _cli_args(out, **over):
     import argparse
     return argparse.Namespace(**{"preset": "tiny-qwen3", "out": str(out), "seed": 0, "max_shard_size": "2GB",
-                                 "dtype": None, "device": "cpu", **over})
+                                 "dtype": None, "device": "cpu", "overwrite": False, **over})
+
+
+def test_cli_refuses_a_directory_with_files_unless_overwrite(tmp_path, monkeypatch):
+    """make-model replaces config.json and deletes model*.safetensors: into a directory that holds
+    files (someone's own checkpoint) only with --overwrite; an empty --out (the current directory)
+    is refused."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "model-00001-of-00009.safetensors").write_text("important")
+    (theirs / "config.json").write_text('{"mine": 1}')
+    with pytest.raises(SystemExit, match=r"--out: .*theirs is not empty.*--overwrite"):
+        cm.run(_cli_args(theirs))
+    assert (theirs / "model-00001-of-00009.safetensors").read_text() == "important"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="--out: is empty"):
+        cm.run(_cli_args(""))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]
+    path = cm.run(_cli_args(theirs, overwrite=True))
+    assert not (theirs / "model-00001-of-00009.safetensors").exists() and (path / "model.safetensors").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (cm.run(_cli_args(empty)) / "config.json").exists()     # an empty directory is fine
 
 
 @pytest.mark.parametrize("over, named", [({"max_shard_size": "bogus"}, "max_shard_size"), ({"seed": -1}, "seed"),

@@ -420,3 +420,25 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
     monkeypatch.setattr(drift["shutil"], "which", lambda name: "/usr/bin/nvidia-smi")
     monkeypatch.setattr(drift["subprocess"], "run", lambda *a, **k: Done())
     assert clocks() == {"sm_mhz": [1980, 1755], "mem_mhz": [3201, 3201]}
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--seed", "-1"], "--seed must be an integer >= 0"),
+    (["--sweep-start", "0"], "--sweep-start must be a number > 0"),
+    (["--sweep-start", "nan"], "--sweep-start must be a number > 0"),
+    (["--sweep-start", "-1"], "--sweep-start must be a number > 0"),
+])
+def test_load_test_refuses_before_building_an_engine(flags, expected):
+    """Found by probing: --seed -1 failed inside numpy after the engine was built, --sweep-start 0
+    was taken as unset and NaN swept at rate nan."""
+    with pytest.raises(SystemExit, match=expected):
+        load_test.check_args(load_test.make_parser().parse_args(flags))
+
+
+@pytest.mark.parametrize("items, expected", [(["ttft:nan"], "finite number > 0"), (["ttft:inf"], "finite number > 0"),
+                                             (["ttft:10", "ttft:20"], "ttft is given twice")])
+def test_goodput_refuses_nan_and_repeats(items, expected):
+    from pcg_engine.bench.load_metrics import parse_slos
+    with pytest.raises(SystemExit, match=expected):
+        parse_slos(items)
+    assert parse_slos(["ttft:200", "tpot:20"]) == {"ttft": 200.0, "tpot": 20.0}
