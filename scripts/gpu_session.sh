@@ -30,7 +30,7 @@ B="python3 -m pcg_engine.cli bench"
 T="python3 -m pytest -v -rfE -p no:cacheprovider --timeout 150 -m gpu"  # -v: a killed run still names what ran
 M=${M:-/tmp/models}; mkdir -p $M
 model() {  # build a preset once on the GPU (random weights at the published shapes)
-  [ -f $M/$1/config.json ] || python3 -m pcg_engine.cli make-model --preset $1 --out $M/$1 --device cuda >/dev/null
+  [ -f $M/$1/config.json ] || python3 -m pcg_engine.cli make-model --preset $1 --out $M/$1 --device cuda --overwrite >/dev/null
   echo $M/$1
 }
 DEADLINE=${DEADLINE:-570}   # seconds: the device call's limit is 600
