@@ -105,7 +105,13 @@ def eos_token_ids(path: Path, tokenizer=None) -> set[int]:
     ids: set[int] = set()
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
+        try:
+            config = json.loads(gen.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{gen}: not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{gen}: expected a JSON object, got {type(config).__name__}")
+        value = config.get("eos_token_id")
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):

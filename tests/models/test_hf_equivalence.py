@@ -351,3 +351,14 @@ def test_sharded_index_through_symlinks_loads(ckpt_copy, tmp_path):
     (ckpt_copy / "model.safetensors").symlink_to(blobs / "abc123")
     (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {K: "model.safetensors"}}))
     assert weight_files(ckpt_copy) == [ckpt_copy / "model.safetensors"]
+
+
+@pytest.mark.parametrize("content, expected", [("{bad", "not valid JSON"), ("[1, 2]", "expected a JSON object, got list")])
+def test_broken_generation_config_is_named(ckpt_copy, content, expected):
+    """Found by probing: a generation_config.json that is not JSON gave json's bare message (no file
+    named); a list gave an AttributeError."""
+    from pcg_engine.engine.tokenizer import eos_token_ids
+    (ckpt_copy / "generation_config.json").write_text(content)
+    with pytest.raises(CheckpointError) as info:
+        eos_token_ids(ckpt_copy)                 # what the engine reads it with, at start-up
+    assert "generation_config.json" in str(info.value) and expected in str(info.value)
