@@ -106,10 +106,8 @@ class LLM:
                     if out.finished:
                         return
         finally:
-            if rid in self.engine.requests:    # the caller stopped early: don't leak its blocks
-                self.engine.abort_request(rid)
-                # ... nor leave its abort output for the next step() to return
-                self.engine.pending_outputs = [o for o in self.engine.pending_outputs if o.request_id != rid]
+            # The caller stopped early: don't leak its blocks, nor leave its abort output behind.
+            self._abandon([rid])
             # Other requests' outputs stay with the engine: its next step() returns them first.
             self.engine.pending_outputs[:0] = others
 

@@ -22,11 +22,11 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _fields(text: str | None, keys: dict[str, str], sep: str = ":") -> dict[str, int]:
-    """{name: int} from 'key<sep> value ...' lines, for the keys present."""
+def _fields(text: str | None, keys: dict[str, str]) -> dict[str, int]:
+    """{name: int} from 'key: value ...' lines, for the keys present."""
     out = {}
     for line in (text or "").splitlines():
-        key, _, rest = line.partition(sep)
+        key, _, rest = line.partition(":")
         name = keys.get(key.strip())
         if name is not None and rest.split():
             try:
