@@ -9,7 +9,7 @@
 # at most 400 s here, TESTS= narrows it), p1 (latency, 0.6B, all
 # modes), p5 (start-up), p5notrace (p5 with PCG_SAVED_TRACE=0), p5warm2 (p5 with PCG_FULL_GRAPH_WARMUPS=2), p5warmfirst (p5 with PCG_FULL_GRAPH_WARMUP_EVERY=0), p5ab (P5AB=VAR=A,B: one cold start, then warm starts
 # with VAR=A, B, A, B on its caches), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0), p2, p3, p3rates (P3 at higher rates),
-# ttft (issue 5's 1/8/32 x 512), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
+# ttft (issue 5's 1/8/32 x 512), ttfttree (ttft at TTFT_N prompts, this tree against AB_TREE, alternated twice; TTFT_MODES), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
@@ -114,6 +114,14 @@ part() {
               --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
               --json $OUT/ttft_512x$n.json 2>&1 | tail -6
           done ;;
+    ttfttree) for i in 1 2; do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated twice: ttft's load-test at
+            # TTFT_N prompts (default 8) of this tree ("new") against the tree unpacked in AB_TREE ("base"), as p1tree
+            tree=${v%%:*}; envs=; [ "$tree" != "$v" ] && envs=${v#*:}
+            [ $tree = base ] && pp=$PWD/${AB_TREE:?AB_TREE: the base tree} || pp=$PWD
+            env PYTHONPATH=$pp $envs timeout $(lim 150) $B load-test --model $(model qwen3-0.6b) --modes ${TTFT_MODES:-full_decode,full_and_piecewise} \
+              --num-prompts ${TTFT_N:-8} --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
+              --json $OUT/ttfttree_${v//[:=]/_}-$i.json 2>&1 | grep -iE "ttft|mode" | sed "s/^/$v run $i /"
+          done; done ;;
     p4) timeout $(lim 60) $B overhead --host-only --model $(model qwen3-0.6b) --batch-sizes 16,64,256 --json $OUT/p4_host.json 2>&1 | tail -8 ;;
     overhead) for n in ${OVERHEAD_N:-16 64 256}; do
             timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests $n --slots $n --new-tokens 64 \
