@@ -14,7 +14,7 @@
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
-# per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep),
+# per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep), blas (F.linear under cuBLAS vs cuBLASLt; BLAS_ARGS),
 # fwdhost (scripts/forward_host.py: an eager full-decode forward's host ms and its Triton JIT share), p1_rope / p1_8b_rope
 # (P1 full_decode, PCG_FUSED_ROPE_ATTENTION=0/1 alternated twice; ROPE_MODES), p1ab (P1 with AB_VAR=each of AB_VALUES,
 # alternated twice; AB_MODEL, P1_MODES), p2ab (P2 with AB_VAR=each of AB_VALUES, alternated twice),
@@ -114,10 +114,11 @@ part() {
               --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
               --json $OUT/ttft_512x$n.json 2>&1 | tail -6
           done ;;
-    ttfttree) for i in 1 2; do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated twice: ttft's load-test at
-            # TTFT_N prompts (default 8) of this tree ("new") against the tree unpacked in AB_TREE ("base"), as p1tree
+    ttfttree) for i in $(seq ${TREE_ROUNDS:-2}); do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated: ttft's load-test
+            # at TTFT_N prompts (default 8) of this tree ("new") against the tree unpacked in AB_TREE ("base"), as p1tree;
+            # any other name X is the tree in abtree/X (a bisection: git archive <commit> pcg_engine into abtree/X)
             tree=${v%%:*}; envs=; [ "$tree" != "$v" ] && envs=${v#*:}
-            [ $tree = base ] && pp=$PWD/${AB_TREE:?AB_TREE: the base tree} || pp=$PWD
+            case $tree in new) pp=$PWD ;; base) pp=$PWD/${AB_TREE:?AB_TREE: the base tree} ;; *) pp=$PWD/abtree/$tree ;; esac
             env PYTHONPATH=$pp $envs timeout $(lim 150) $B load-test --model $(model qwen3-0.6b) --modes ${TTFT_MODES:-full_decode,full_and_piecewise} \
               --num-prompts ${TTFT_N:-8} --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
               --json $OUT/ttfttree_${v//[:=]/_}-$i.json 2>&1 | grep -iE "ttft|mode" | sed "s/^/$v run $i /"
@@ -136,6 +137,7 @@ part() {
             timeout $(lim 120) python3 scripts/host_profile.py --model $(model qwen3-0.6b) --mode $mo --requests ${HOSTPROF_N:-1} \
               --steps ${HOSTPROF_STEPS:-50} ${HOSTPROF_ARGS:-} > $OUT/hostprof_${mo}_${HOSTPROF_N:-1}${HOSTPROF_TAG:-}.txt 2>&1; grep -A12 "===" $OUT/hostprof_${mo}_${HOSTPROF_N:-1}${HOSTPROF_TAG:-}.txt | head -40
           done ;;
+    blas) timeout $(lim 150) python3 scripts/bench_blas.py ${BLAS_ARGS:-} --json $OUT/blas.json 2>&1 | tail -45 ;;
     skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
     capture) timeout $(lim 120) python3 scripts/bench_capture.py ${CAPTURE_ARGS:-} --json $OUT/capture.json 2>&1 | tail -12 ;;
     capture_engine) timeout $(lim 200) python3 scripts/bench_capture.py --engine $(model qwen3-0.6b) --json $OUT/capture_engine.json 2>&1 | tail -14 ;;
