@@ -9,7 +9,7 @@
 # at most 400 s here, TESTS= narrows it), p1 (latency, 0.6B, all
 # modes), p5 (start-up), p5notrace (p5 with PCG_SAVED_TRACE=0), p5warm2 (p5 with PCG_FULL_GRAPH_WARMUPS=2), p5warmfirst (p5 with PCG_FULL_GRAPH_WARMUP_EVERY=0), p5ab (P5AB=VAR=A,B: one cold start, then warm starts
 # with VAR=A, B, A, B on its caches), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0), p2, p3, p3rates (P3 at higher rates),
-# ttft (issue 5's 1/8/32 x 512), ttfttree (ttft at TTFT_N prompts, this tree against AB_TREE, alternated twice; TTFT_MODES), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
+# probeproc (bench/cpu_probe.py in PROBE_PROCS fresh processes), ttft (issue 5's 1/8/32 x 512), ttfttree (ttft at TTFT_N prompts, this tree against AB_TREE, alternated twice; TTFT_MODES), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
@@ -121,8 +121,12 @@ part() {
             case $tree in new) pp=$PWD ;; base) pp=$PWD/${AB_TREE:?AB_TREE: the base tree} ;; *) pp=$PWD/abtree/$tree ;; esac
             env PYTHONPATH=$pp $envs timeout $(lim 150) $B load-test --model $(model qwen3-0.6b) --modes ${TTFT_MODES:-full_decode,full_and_piecewise} \
               --num-prompts ${TTFT_N:-8} --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
-              --json $OUT/ttfttree_${v//[:=]/_}-$i.json 2>&1 | grep -iE "ttft|mode" | sed "s/^/$v run $i /"
+              --json $OUT/ttfttree_${v//[:=]/_}-$i.json 2>&1 | grep -iE "ttft|mode|fixed host" | sed "s/^/$v run $i /"
           done; done ;;
+    probeproc) for i in $(seq ${PROBE_PROCS:-20}); do   # bench/cpu_probe.py in fresh bare processes (no engine, no GPU)
+            timeout $(lim 30) python3 -c "import json; from pcg_engine.bench import cpu_probe; print(json.dumps(cpu_probe.probe()))"
+          done > $OUT/probeproc.jsonl; python3 -c "import json,sys; r=[json.loads(l) for l in open('$OUT/probeproc.jsonl')]
+for k in ('python_median_us', 'torch_median_us'): v=sorted(x[k] for x in r); print(k, len(v), 'min %.0f median %.0f max %.0f' % (v[0], v[len(v)//2], v[-1]))" ;;
     p4) timeout $(lim 60) $B overhead --host-only --model $(model qwen3-0.6b) --batch-sizes 16,64,256 --json $OUT/p4_host.json 2>&1 | tail -8 ;;
     overhead) for n in ${OVERHEAD_N:-16 64 256}; do
             timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests $n --slots $n --new-tokens 64 \
@@ -150,7 +154,7 @@ part() {
     p1ab) for i in 1 2; do for v in ${AB_VALUES:-0 1}; do   # A/B, alternated twice: P1 (AB_MODEL, P1_MODES) with env AB_VAR=v
             env ${AB_VAR:?AB_VAR names the switch}=$v timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) \
               --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1ab_${AB_VAR}_$v-$i.json 2>&1 \
-              | grep -E "full_decode|piecewise|mode|the OS" | sed "s/^/$AB_VAR=$v run $i /"
+              | grep -E "full_decode|piecewise|mode|the OS|fixed host" | sed "s/^/$AB_VAR=$v run $i /"
           done; done ;;
     p1tree) for i in 1 2; do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated twice: P1 of this tree ("new") against
             # the tree unpacked in AB_TREE ("base", e.g. git archive of the commit before a change); "new:VAR=x" adds a switch
@@ -170,7 +174,7 @@ part() {
             case $v in taskset*) pin="taskset -c ${v#taskset}" ;; arena1) pin="env MALLOC_ARENA_MAX=1" ;;
               thp) pin="env PYTHONMALLOC=malloc GLIBC_TUNABLES=glibc.malloc.hugetlb=1" ;; esac
             $pin timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) --modes ${P1_MODES:-full_decode,piecewise} \
-              --num-iters 2 --warmup-iters 1 --json $OUT/p1pin_$v-$i.json 2>&1 | grep -E "full_decode|piecewise|mode|the OS" | sed "s/^/pin=$v run $i /"
+              --num-iters 2 --warmup-iters 1 --json $OUT/p1pin_$v-$i.json 2>&1 | grep -E "full_decode|piecewise|mode|the OS|fixed host" | sed "s/^/pin=$v run $i /"
           done; done ;;
     warmcheck) for v in 0 1; do   # scripts/graph_warmup_check.py with PCG_FULL_GRAPH_WARMUP_EVERY=0, then 1
             PCG_FULL_GRAPH_WARMUP_EVERY=$v timeout $(lim 120) python3 scripts/graph_warmup_check.py --model $(model qwen3-0.6b) \

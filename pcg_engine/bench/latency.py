@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from pcg_engine.bench import common, proc_stats
+from pcg_engine.bench import common, cpu_probe, proc_stats
 
 
 def one_iteration(llm, prompts, params) -> list[dict]:
@@ -50,10 +50,12 @@ def run_mode(llm, args) -> dict:
         one_iteration(llm, common.random_prompts(rng, pool, [args.input_len] * args.batch_size), params)
     common.reset_stats(llm)
     rows = []
+    probe_before = cpu_probe.probe()
     before = proc_stats.snapshot()
     for _ in range(args.num_iters):
         rows += one_iteration(llm, common.random_prompts(rng, pool, [args.input_len] * args.batch_size), params)
     proc = proc_stats.delta(before, proc_stats.snapshot())
+    probe_after = cpu_probe.probe()
     stats = llm.engine.stats
     tpot = common.percentiles([r["tpot_ms"] for r in rows])
     return {"ttft_ms": common.percentiles([r["ttft_ms"] for r in rows]), "tpot_ms": tpot,
@@ -64,7 +66,9 @@ def run_mode(llm, args) -> dict:
             "engine_mode": llm.engine.runner.mode, "async_scheduling": llm.engine.async_scheduling,
             "engine_config": common.engine_config(llm), "iterations": rows,
             # what the OS did meanwhile (faults, switches, core moves, huge pages): bench/proc_stats.py
-            "proc": proc, "thp": proc_stats.thp_mode()}
+            "proc": proc, "thp": proc_stats.thp_mode(),
+            # the core's speed on fixed host work just before and after them: bench/cpu_probe.py
+            "cpu_probe": {"before": probe_before, "after": probe_after}}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
                         for n, r in results.items()])
     for name, r in results.items():
         print(f"{name}: the OS in the timed iterations: {proc_stats.summary(r['proc'], r['thp'])}")
+        print(f"{name}: fixed host work (bench/cpu_probe.py): {cpu_probe.summary(**r['cpu_probe'])}")
     common.write_mode_results(args, model, "latency", results)
     return 0
 

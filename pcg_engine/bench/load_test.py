@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from pcg_engine.bench import common
+from pcg_engine.bench import common, cpu_probe
 from pcg_engine.bench.engine_thread import EngineLoop, run_client
 from pcg_engine.bench.load_metrics import parse_slos, summarize, table_rows
 from pcg_engine.prompt_files import parse_json, read_lines
@@ -228,7 +228,10 @@ def main(argv=None) -> int:
             llm.generate([ids for ids, _ in warm], common.bench_params(min(warm[0][1], 16), args.temperature))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[info]}"), console=console, disable=args.no_progress) as progress:
+            probe_before = cpu_probe.probe()
             results[name] = run_once(llm, dataset, args, args.request_rate, slos, name, progress)
+            # the core's speed on fixed host work just before and after the run: bench/cpu_probe.py
+            results[name]["cpu_probe"] = {"before": probe_before, "after": cpu_probe.probe()}
             results[name]["engine_mode"] = llm.engine.runner.mode
             results[name]["async_scheduling"] = llm.engine.async_scheduling
             results[name]["engine_config"] = common.engine_config(llm)
@@ -247,6 +250,8 @@ def main(argv=None) -> int:
     headers, rows = table_rows(results)
     common.print_table(f"load test: {args.num_prompts} requests at {args.request_rate:g} req/s, "
                        f"burstiness {args.burstiness:g}", headers, rows)
+    for name, r in results.items():
+        print(f"{name}: fixed host work (bench/cpu_probe.py): {cpu_probe.summary(**r['cpu_probe'])}")
     if sweeps:
         common.print_table(f"rate sweep: highest rate with >= {args.sweep_attainment:.0%} of requests within "
                            f"{slos}", ["mode", "max rate (req/s)", "trials"],

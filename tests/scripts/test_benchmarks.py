@@ -108,6 +108,7 @@ def test_load_test_two_modes(tmp_path):
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
             assert set(res[key]) == {"mean", "median", "p90", "p99"}
         assert res["goodput"] == pytest.approx(res["request_throughput"])
+        assert res["cpu_probe"]["after"]["python_min_us"] > 0     # bench/cpu_probe.py, beside each run
         assert res["total_output_tokens"] == sum(r["output_len_asked"] for r in res["requests"])
         for r in res["requests"]:
             assert r["ok"] and r["output_len"] == r["output_len_asked"]
@@ -189,6 +190,22 @@ def test_latency(tmp_path):
         proc = data["proc"]
         assert proc["minflt"] >= 0 and proc["voluntary_switches"] >= 0 and proc["rss_kb"] > 0
         assert proc["cpu"] in os.sched_getaffinity(0)
+    probe = data["cpu_probe"]            # fixed host work before and after them (bench/cpu_probe.py)
+    for side in ("before", "after"):
+        assert 0 < probe[side]["python_min_us"] <= probe[side]["python_median_us"]
+        assert 0 < probe[side]["torch_min_us"] <= probe[side]["torch_median_us"]
+
+
+def test_cpu_probe_times_its_work():
+    from pcg_engine.bench import cpu_probe
+    small = cpu_probe.probe(repeats=3, python_iters=5000, torch_iters=100)
+    large = cpu_probe.probe(repeats=3, python_iters=40000, torch_iters=800)
+    assert set(small) == {f"{w}_{s}_us" for w in ("python", "torch") for s in ("min", "median")}
+    # 8x the work takes longer (a probe that timed nothing, or the wrong thing, would not)
+    assert large["python_min_us"] > 2 * small["python_min_us"] and large["torch_min_us"] > 2 * small["torch_min_us"]
+    line = cpu_probe.summary(small, large)
+    assert line.startswith(f"python {small['python_median_us']:.0f} -> {large['python_median_us']:.0f} us")
+    assert "torch" in line
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
