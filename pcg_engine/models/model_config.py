@@ -8,7 +8,8 @@ compare against and the tokenizer library, loaded only when text is encoded or d
 Fields that fix a tensor shape are required: a missing one is an error naming it, where
 transformers would fill in its own default (a 4096-wide model) and fail later on the weights.
 Optional fields take transformers' defaults. Features the flat model does not implement (scaled
-RoPE, sliding-window attention, attention biases) are refused by name rather than ignored.
+RoPE, sliding-window attention, attention biases, an activation other than SiLU) are refused by
+name rather than ignored.
 Both spellings of renamed fields are accepted: the hub's (`rope_theta`, `num_experts`,
 `rope_scaling`) and transformers 5's serialisation (`rope_parameters`, `num_local_experts`).
 """
@@ -138,7 +139,16 @@ def _rope_theta(raw: dict, where: str) -> float:
     return float(next(iter(thetas.values()), 10000.0))
 
 
+# The MLPs compute silu(gate) * up (layers.silu_and_mul, its Triton kernel and the fused MoE);
+# transformers' "swish" is the same function. Any other activation would load and run, wrongly.
+ACTIVATIONS = ("silu", "swish")
+
+
 def _refuse_unsupported(raw: dict, where: str) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise CheckpointError(f"{where}: field 'hidden_act' is {act!r}; pcg-engine's MLPs implement only SiLU "
+                              f"(allowed: {' or '.join(map(repr, ACTIVATIONS))})")
     if raw.get("use_sliding_window"):
         raise CheckpointError(f"{where}: field 'use_sliding_window' is true; pcg-engine implements only full "
                               "attention (allowed: false)")

@@ -281,6 +281,21 @@ def test_bad_config_field(ckpt_copy):
     assert "config.json" in msg and "num_key_value_heads" in msg
 
 
+@pytest.mark.parametrize("edit, expected", [
+    pytest.param({"hidden_act": "gelu"}, "field 'hidden_act' is 'gelu'; pcg-engine's MLPs implement only SiLU "
+                 "(allowed: 'silu' or 'swish')", id="hidden_act-gelu"),
+    pytest.param({"hidden_act": None}, "field 'hidden_act' is None", id="hidden_act-null"),
+])
+def test_unsupported_config_feature_refused_at_load(ckpt_copy, edit, expected):
+    """Found by probing: these config.json values loaded without a word and the model ran as if
+    they were not there."""
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg.update(edit)
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    msg = load_error(ckpt_copy)
+    assert str(ckpt_copy / "config.json") in msg and expected in msg
+
+
 def test_missing_tensor(ckpt_copy):
     rewrite_weights(ckpt_copy, lambda t: t.pop(K))
     msg = load_error(ckpt_copy)
