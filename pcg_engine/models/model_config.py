@@ -152,6 +152,17 @@ def _refuse_unsupported(raw: dict, where: str) -> None:
     if raw.get("use_sliding_window"):
         raise CheckpointError(f"{where}: field 'use_sliding_window' is true; pcg-engine implements only full "
                               "attention (allowed: false)")
+    # transformers 5 writes one entry per layer; a "sliding_attention" one makes that layer's
+    # attention windowed, which the attention op does not do.
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list):
+            raise CheckpointError(f"{where}: field 'layer_types' is {layer_types!r}; allowed: a list of "
+                                  "'full_attention' entries, or null")
+        for i, kind in enumerate(layer_types):
+            if kind != "full_attention":
+                raise CheckpointError(f"{where}: field 'layer_types' gives layer {i} {kind!r}; pcg-engine "
+                                      "implements only full attention (allowed: 'full_attention')")
     if raw.get("attention_bias"):
         raise CheckpointError(f"{where}: field 'attention_bias' is true; the Qwen3 projections have no bias "
                               "(allowed: false)")

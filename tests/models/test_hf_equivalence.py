@@ -285,6 +285,13 @@ def test_bad_config_field(ckpt_copy):
     pytest.param({"hidden_act": "gelu"}, "field 'hidden_act' is 'gelu'; pcg-engine's MLPs implement only SiLU "
                  "(allowed: 'silu' or 'swish')", id="hidden_act-gelu"),
     pytest.param({"hidden_act": None}, "field 'hidden_act' is None", id="hidden_act-null"),
+    pytest.param({"layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"],
+                  "sliding_window": 8}, "field 'layer_types' gives layer 1 'sliding_attention'; pcg-engine "
+                 "implements only full attention (allowed: 'full_attention')", id="layer_types-sliding"),
+    pytest.param({"layer_types": "full_attention"}, "field 'layer_types' is 'full_attention'; allowed: a list",
+                 id="layer_types-not-a-list"),
+    pytest.param({"use_sliding_window": True, "sliding_window": 8}, "field 'use_sliding_window' is true",
+                 id="use_sliding_window"),
 ])
 def test_unsupported_config_feature_refused_at_load(ckpt_copy, edit, expected):
     """Found by probing: these config.json values loaded without a word and the model ran as if
