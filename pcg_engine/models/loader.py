@@ -20,10 +20,12 @@ from pcg_engine.errors import CheckpointError
 from pcg_engine.models.fuse import fuse as fuse_model
 from pcg_engine.models.model_config import ModelConfig, read_config
 from pcg_engine.models.qwen3 import Qwen3ForCausalLM
-from pcg_engine.models.safetensors_reader import read_header, read_into
+from pcg_engine.models.safetensors_reader import DTYPES, read_header, read_into
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+FLOAT_DTYPE_NAMES = [name for name, dtype in DTYPES.items() if dtype.is_floating_point]
 
 
 def load_config(path: Path) -> ModelConfig:
@@ -147,6 +149,9 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
             if resolved is None:
                 continue
             name, dest = resolved
+            if not entry.dtype.is_floating_point:   # copy_ would convert the integers to floats
+                raise CheckpointError(f"{file}: tensor {entry.name!r} is stored as {DTYPE_NAMES[entry.dtype]}; "
+                                      f"a weight needs a float dtype (allowed: {', '.join(FLOAT_DTYPE_NAMES)})")
             if entry.shape != tuple(dest.shape):
                 raise CheckpointError(f"{file}: tensor {entry.name!r} has shape {entry.shape}, "
                                       f"config.json implies {tuple(dest.shape)}")

@@ -324,6 +324,14 @@ def test_wrong_shape_tensor(ckpt_copy):
     assert str(file) in msg and K in msg and "shape" in msg
 
 
+def test_integer_weight_is_refused(ckpt_copy):
+    """Found by probing: a weight stored as I32 was converted to floats and loaded."""
+    file = rewrite_weights(ckpt_copy, lambda t: t.__setitem__(K, (t[K] * 100).to(torch.int32)))
+    msg = load_error(ckpt_copy)
+    assert str(file) in msg and f"tensor {K!r} is stored as I32; a weight needs a float dtype" in msg
+    assert "allowed: F16, BF16, F32, F64" in msg
+
+
 def test_truncated_safetensors(ckpt_copy):
     file = ckpt_copy / "model.safetensors"
     data = file.read_bytes()
