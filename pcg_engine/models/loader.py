@@ -138,9 +138,14 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
     with torch.device(device), _default_dtype(dtype):
         model = Qwen3ForCausalLM(config)
     targets = _Targets(model)
+    stored_in: dict[str, Path] = {}     # tensor name -> its shard: a second copy would overwrite the first
     for file in files:
         plan = []
         for entry in read_header(file):
+            if entry.name in stored_in:
+                raise CheckpointError(f"tensor {entry.name!r} is stored twice, in {stored_in[entry.name]} and in "
+                                      f"{file}; a checkpoint holds each tensor in one shard")
+            stored_in[entry.name] = file
             try:
                 resolved = targets.resolve(entry.name)
             except KeyError:

@@ -332,6 +332,27 @@ def test_integer_weight_is_refused(ckpt_copy):
     assert "allowed: F16, BF16, F32, F64" in msg
 
 
+@pytest.mark.parametrize("with_index", [False, True])
+def test_tensor_in_two_shards_is_refused(ckpt_copy, with_index):
+    """Found by probing: a tensor stored in two shards loaded from whichever was read last (with an
+    index too: its weight_map names one shard per tensor, but every listed shard is read whole)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt_copy / "model.safetensors"))
+    (ckpt_copy / "model.safetensors").unlink()
+    names = list(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    assert K in first
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    save_file({n: tensors[n] for n in first}, str(ckpt_copy / shards[0]))
+    save_file({n: tensors[n] for n in second} | {K: torch.zeros_like(tensors[K])}, str(ckpt_copy / shards[1]))
+    if with_index:
+        weight_map = {n: shards[0] for n in first} | {n: shards[1] for n in second}
+        (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    msg = load_error(ckpt_copy)
+    assert f"tensor {K!r} is stored twice, in {ckpt_copy / shards[0]} and in {ckpt_copy / shards[1]}" in msg
+
+
 def test_truncated_safetensors(ckpt_copy):
     file = ckpt_copy / "model.safetensors"
     data = file.read_bytes()
