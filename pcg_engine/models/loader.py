@@ -113,6 +113,19 @@ class _Targets:
         return sorted(set(self.expected) - self.filled)
 
 
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _check_tied_head(file: Path, entry, config: ModelConfig) -> None:
+    """A stored LM head of a tied model is skipped (the embedding serves), but one of another shape
+    says the checkpoint is not what config.json describes."""
+    expected = (config.vocab_size, config.hidden_size)
+    if entry.name == "lm_head.weight" and entry.shape != expected:
+        raise CheckpointError(f"{file}: tensor 'lm_head.weight' has shape {entry.shape}; config.json ties it to "
+                              f"the embedding (tie_word_embeddings: true), so it must be absent or of shape "
+                              f"[vocab_size, hidden_size] = {expected}")
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -152,14 +165,16 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
                 raise CheckpointError(f"{file}: unexpected tensor {entry.name!r} (not part of "
                                       f"{type(model).__name__} for this config)") from None
             if resolved is None:
+                _check_tied_head(file, entry, config)
                 continue
             name, dest = resolved
             if not entry.dtype.is_floating_point:   # copy_ would convert the integers to floats
                 raise CheckpointError(f"{file}: tensor {entry.name!r} is stored as {DTYPE_NAMES[entry.dtype]}; "
                                       f"a weight needs a float dtype (allowed: {', '.join(FLOAT_DTYPE_NAMES)})")
             if entry.shape != tuple(dest.shape):
+                keys = " ([vocab_size, hidden_size])" if entry.name in _VOCAB_TENSORS else ""
                 raise CheckpointError(f"{file}: tensor {entry.name!r} has shape {entry.shape}, "
-                                      f"config.json implies {tuple(dest.shape)}")
+                                      f"config.json implies {tuple(dest.shape)}{keys}")
             plan.append((entry, dest, name))
         try:
             read_into(file, [(entry, dest) for entry, dest, _ in plan], device)

@@ -353,6 +353,24 @@ def test_tensor_in_two_shards_is_refused(ckpt_copy, with_index):
     assert f"tensor {K!r} is stored twice, in {ckpt_copy / shards[0]} and in {ckpt_copy / shards[1]}" in msg
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head_of_the_wrong_shape_is_refused(ckpt_copy, tied):
+    """Found by probing: a tied model's stored lm_head.weight was skipped whatever its shape."""
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    assert cfg["tie_word_embeddings"]
+    cfg["tie_word_embeddings"] = tied
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    file = rewrite_weights(ckpt_copy, lambda t: t.__setitem__("lm_head.weight", torch.zeros(hidden, vocab)))
+    msg = load_error(ckpt_copy)
+    assert str(file) in msg and f"'lm_head.weight' has shape {(hidden, vocab)}" in msg
+    assert "[vocab_size, hidden_size]" in msg and str((vocab, hidden)) in msg
+    if tied:
+        assert "tie_word_embeddings: true" in msg
+        rewrite_weights(ckpt_copy, lambda t: t.__setitem__("lm_head.weight", torch.zeros(vocab, hidden)))
+        load_model(ckpt_copy, device="cpu", dtype=torch.float32)     # the right shape: skipped, as before
+
+
 def test_truncated_safetensors(ckpt_copy):
     file = ckpt_copy / "model.safetensors"
     data = file.read_bytes()
