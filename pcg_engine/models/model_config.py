@@ -168,6 +168,26 @@ def _refuse_unsupported(raw: dict, where: str) -> None:
                               "(allowed: false)")
 
 
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def _check_transformers_fields(raw: dict, where: str, vocab_size: int) -> None:
+    """Fields the flat model does not read but transformers does, when the tokenizer is loaded
+    (AutoTokenizer reads config.json): a bad one failed there, on the first text prompt, with
+    transformers' own error naming neither the file nor what is allowed."""
+    eos = raw.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
+                                   for i in ids):
+        raise CheckpointError(f"{where}: field 'eos_token_id' is {eos!r}; allowed: a token id in 0..{vocab_size - 1} "
+                              "(vocab_size), a list of them, or null")
+    for key in ("torch_dtype", "dtype"):     # the hub's spelling and transformers 5's
+        value = raw.get(key)
+        if value is not None and value not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where}: field {key!r} is {value!r}; allowed: "
+                                  f"{', '.join(map(repr, FLOAT_DTYPES))} or null")
+
+
 def parse_config(raw, where: str = "config.json") -> ModelConfig:
     """A config.json's parsed JSON -> ModelConfig; CheckpointError naming `where` and the field."""
     if not isinstance(raw, dict):
@@ -197,6 +217,7 @@ def parse_config(raw, where: str = "config.json") -> ModelConfig:
     if config.is_moe and config.num_experts_per_tok > config.num_experts:
         raise CheckpointError(f"{where}: field 'num_experts_per_tok' is {config.num_experts_per_tok}; allowed: "
                               f"1..num_experts ({config.num_experts})")
+    _check_transformers_fields(raw, where, config.vocab_size)
     dense = [i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)]
     if dense and no_dense_width:
         raise CheckpointError(f"{where}: field 'intermediate_size' is missing (allowed: an int > 0; layer "

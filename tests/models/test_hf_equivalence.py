@@ -292,10 +292,18 @@ def test_bad_config_field(ckpt_copy):
                  id="layer_types-not-a-list"),
     pytest.param({"use_sliding_window": True, "sliding_window": 8}, "field 'use_sliding_window' is true",
                  id="use_sliding_window"),
+    pytest.param({"eos_token_id": "x"}, "field 'eos_token_id' is 'x'; allowed: a token id in 0..1023 "
+                 "(vocab_size), a list of them, or null", id="eos_token_id-text"),
+    pytest.param({"eos_token_id": [2, 1024]}, "field 'eos_token_id' is [2, 1024]", id="eos_token_id-beyond-vocab"),
+    pytest.param({"eos_token_id": True}, "field 'eos_token_id' is True", id="eos_token_id-bool"),
+    pytest.param({"torch_dtype": "float33"}, "field 'torch_dtype' is 'float33'; allowed: 'bfloat16', 'float16', "
+                 "'float32', 'float64' or null", id="torch_dtype-unknown"),
+    pytest.param({"dtype": "int8"}, "field 'dtype' is 'int8'", id="dtype-int"),
 ])
-def test_unsupported_config_feature_refused_at_load(ckpt_copy, edit, expected):
-    """Found by probing: these config.json values loaded without a word and the model ran as if
-    they were not there."""
+def test_bad_config_value_refused_at_load(ckpt_copy, edit, expected):
+    """Found by probing: the features loaded without a word and the model ran as if they were not
+    there; the bad eos_token_id and dtype values failed later, inside transformers, when the first
+    text prompt loaded the tokenizer (which reads config.json)."""
     cfg = json.loads((ckpt_copy / "config.json").read_text())
     cfg.update(edit)
     (ckpt_copy / "config.json").write_text(json.dumps(cfg))
