@@ -14,9 +14,28 @@ from pathlib import Path
 from pcg_engine.errors import CheckpointError
 
 
+# The tokenizer's JSON files, read by this module and by transformers.
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def load_tokenizer(path: Path):
+    """transformers' tokenizer of the checkpoint; a broken file is a CheckpointError naming it.
+
+    transformers' own errors named no file: json's bare message for a file that is not JSON, an
+    AttributeError for one of the wrong shape. The files are checked only after a failure: parsing
+    Qwen3's 11 MB tokenizer.json once more would delay every first text prompt."""
+    path = Path(path)
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        for name in TOKENIZER_JSON_FILES:
+            _read_json(path / name)     # raises for the file that is not a JSON object
+        # Valid JSON of the wrong structure: which file, only transformers' reason can tell.
+        present = [f.name for f in sorted(path.iterdir()) if f.name.startswith(("tokenizer", "special_tokens",
+                                                                                 "vocab", "merges"))]
+        raise CheckpointError(f"{path}: the tokenizer ({', '.join(present)}) cannot be loaded: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 # Files that hold a vocabulary: a fast tokenizer's, a BPE one's, a SentencePiece model. Without any,
@@ -53,11 +72,20 @@ class LazyTokenizer:
 _UNKNOWN = object()
 
 
-def _read_json(file: Path):
-    try:
-        return json.loads(file.read_text()) if file.is_file() else None
-    except (OSError, ValueError):
+def _read_json(file: Path) -> dict | None:
+    """A checkpoint's JSON file (a tokenizer file, generation_config.json) as its object, None if
+    there is no such file; one that cannot be read as a JSON object is a CheckpointError naming it."""
+    if not file.is_file():
         return None
+    try:
+        data = json.loads(file.read_text())
+    except OSError as e:
+        raise CheckpointError(f"{file}: unreadable ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _token_text(value):
@@ -88,12 +116,16 @@ def tokenizer_eos_id(path: Path):
         if len(ids) == 1:
             return ids[0]
     tok = _read_json(path / "tokenizer.json")
-    if not isinstance(tok, dict):
+    if tok is None:
         return _UNKNOWN
-    added = [t.get("id") for t in tok.get("added_tokens") or [] if isinstance(t, dict) and t.get("content") == text]
+    # A file of another structure is left to the tokenizer's loader, which names what is wrong.
+    added = tok.get("added_tokens")
+    added = [t.get("id") for t in (added if isinstance(added, list) else [])
+             if isinstance(t, dict) and t.get("content") == text]
     if len(added) == 1 and isinstance(added[0], int):
         return added[0]
-    vocab = (tok.get("model") or {}).get("vocab")
+    model = tok.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
     if not added and isinstance(vocab, dict) and isinstance(vocab.get(text), int):
         return vocab[text]
     return _UNKNOWN
@@ -103,14 +135,8 @@ def eos_token_ids(path: Path, tokenizer=None) -> set[int]:
     """EOS ids from generation_config.json (int or list) and the tokenizer. `tokenizer` may be a
     loaded tokenizer, a LazyTokenizer (loaded only if its files do not give the id) or None."""
     ids: set[int] = set()
-    gen = Path(path) / "generation_config.json"
-    if gen.is_file():
-        try:
-            config = json.loads(gen.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{gen}: not valid JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{gen}: expected a JSON object, got {type(config).__name__}")
+    config = _read_json(Path(path) / "generation_config.json")
+    if config is not None:
         value = config.get("eos_token_id")
         if isinstance(value, int):
             ids.add(value)

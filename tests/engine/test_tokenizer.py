@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from engine_helpers import make_llm
-from pcg_engine.engine.tokenizer import _UNKNOWN, eos_token_ids, load_tokenizer, tokenizer_eos_id
+from pcg_engine.engine.tokenizer import _UNKNOWN, LazyTokenizer, eos_token_ids, load_tokenizer, tokenizer_eos_id
+from pcg_engine.errors import CheckpointError
 from pcg_engine.sampling_params import SamplingParams
 
 
@@ -56,6 +57,26 @@ def test_eos_file_variants(tok_copy):
     assert tokenizer_eos_id(tok_copy) is _UNKNOWN
     _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(eos_token=None))
     assert tokenizer_eos_id(tok_copy) is None
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("tokenizer.json", b"{bad", "tokenizer.json: not valid JSON (Expecting property name"),
+    ("tokenizer.json", b"\xff\xfe", "tokenizer.json: not valid JSON ('utf-8' codec can't decode"),
+    ("tokenizer.json", b'{"version": "1.0", "model": 5}',
+     ": the tokenizer (tokenizer.json, tokenizer_config.json) cannot be loaded: "),
+    ("tokenizer_config.json", b"{bad", "tokenizer_config.json: not valid JSON"),
+    ("tokenizer_config.json", b"[1, 2]", "tokenizer_config.json: expected a JSON object, got list"),
+    ("special_tokens_map.json", b'"x"', "special_tokens_map.json: expected a JSON object, got str"),
+])
+def test_broken_tokenizer_file_is_named(tok_copy, name, content, expected):
+    """Found by probing: json's bare JSONDecodeError or UnicodeDecodeError, or an AttributeError,
+    naming no file, from the engine's start-up (which reads the EOS id from these files)."""
+    (tok_copy / name).write_bytes(content)
+    for read in (lambda: eos_token_ids(tok_copy, LazyTokenizer(tok_copy)),   # the engine's start-up
+                 lambda: load_tokenizer(tok_copy)):                           # the first text's load
+        with pytest.raises(CheckpointError) as info:
+            read()
+        assert str(tok_copy) in str(info.value) and expected in str(info.value)
 
 
 def test_engine_loads_the_tokenizer_on_first_text(dense_path):
