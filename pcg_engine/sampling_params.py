@@ -101,6 +101,11 @@ class SamplingParams:
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens}")
         _check_bool("detokenize", self.detokenize)
+        if self.stop and not self.detokenize:
+            # Stop strings are found in the output text: honouring them would detokenize anyway.
+            raise InvalidRequestError(
+                "stop", f"stop strings ({self.stop!r}) are matched on the output text, but detokenize is "
+                "False; allowed: detokenize=True with stop, or stop_token_ids without detokenizing")
         if self.truncate_prompt_tokens is not None:
             self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None,
                        ">= 1 or null")

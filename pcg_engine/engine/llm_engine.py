@@ -162,7 +162,7 @@ class LLMEngine:
         # request is queued: a refusal leaves nothing behind.
         # Without a tokenizer there is no text: outputs carry token ids and an empty text.
         detok = (IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens, params.min_tokens)
-                 if (params.detokenize or params.stop) and self.lazy_tokenizer.available else None)
+                 if params.detokenize and self.lazy_tokenizer.available else None)
         generator = make_generator(params.seed, self.device) if params.seed is not None else None
         self.scheduler.add_request(request)
         self.requests[request_id] = request

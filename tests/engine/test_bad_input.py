@@ -110,6 +110,10 @@ CASES = [
     ("params-changed-max-tokens", lambda e: e.add_request(_prompt(), _changed(max_tokens=0)), "max_tokens", r">= 1"),
     ("params-changed-temperature", lambda e: e.add_request(_prompt(), _changed(temperature=math.nan)),
      "temperature", r"finite"),
+    ("stop-without-detokenize", lambda e: e.add_request(_prompt(), {"stop": ["x"], "detokenize": False}), "stop",
+     r"detokenize is False; allowed: detokenize=True with stop, or stop_token_ids"),
+    ("params-changed-detokenize", lambda e: e.add_request(_prompt(), _changed(stop=["x"], detokenize=False)),
+     "stop", r"detokenize is False"),
 ]
 
 

@@ -124,7 +124,9 @@ def _workload(seed, n):
             kw.update(stop=["e"])
         if rng.random() < 0.4:
             kw.update(stop_token_ids=[rng.randint(3, 1023) for _ in range(rng.randint(1, 40))])
-        reqs.append((f"w{i}", p, SamplingParams(detokenize=rng.random() < 0.2, **kw), rng.randint(0, 12),
+        # (stop strings need the text: detokenize=False with them is refused)
+        detokenize = rng.random() < 0.2 or "stop" in kw
+        reqs.append((f"w{i}", p, SamplingParams(detokenize=detokenize, **kw), rng.randint(0, 12),
                      rng.random() < 0.08, rng.random() < 0.4))
     return reqs
 

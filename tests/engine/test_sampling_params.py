@@ -52,6 +52,18 @@ def test_invalid_value_names_field_and_range(field, value, rng):
         assert rng in msg, msg
 
 
+def test_stop_strings_need_detokenize():
+    """Found by probing: detokenize=False with stop strings still detokenized, returned the text
+    and stopped on the strings."""
+    for make in (lambda: SamplingParams(stop=["x"], detokenize=False),
+                 lambda: SamplingParams.from_dict({"stop": "x", "detokenize": False})):
+        with pytest.raises(InvalidRequestError) as e:
+            make()
+        assert e.value.field == "stop"
+        assert "stop strings (['x']) are matched on the output text, but detokenize is False" in str(e.value)
+    assert SamplingParams(stop_token_ids=[3], detokenize=False).stop == []
+
+
 def test_every_field_has_a_refused_value():
     tested = {f for f, _, _ in BAD}
     assert tested == set(SamplingParams.field_names())
