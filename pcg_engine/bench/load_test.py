@@ -23,6 +23,8 @@ from pcg_engine.bench.engine_thread import EngineLoop, run_client
 from pcg_engine.bench.load_metrics import parse_slos, summarize, table_rows
 from pcg_engine.prompt_files import parse_json, read_lines
 
+DEFAULT_NUM_PROMPTS = 500      # random prompts; a dataset's default is all of its lines
+
 
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """Submission times (s from the start) of n requests; the first at 0, all at 0 for rate inf."""
@@ -81,6 +83,23 @@ def read_dataset(path: str) -> list[tuple[str | list[int], int | None]]:
     if not entries:
         raise SystemExit(f"--dataset: {path} holds no request")
     return entries
+
+
+def resolve_num_prompts(args, entries) -> None:
+    """--num-prompts' default (every line of --dataset, else DEFAULT_NUM_PROMPTS), and a refusal
+    when --num-prompts or --sweep-num-prompts asks for more requests than the dataset holds (it
+    was used as it was: a shorter run than asked, with nothing said)."""
+    if args.num_prompts is None:
+        args.num_prompts = len(entries) if entries else DEFAULT_NUM_PROMPTS
+    if not entries:
+        return
+    asked = [("--num-prompts", args.num_prompts)]
+    if args.sweep_rates:
+        asked.append(("--sweep-num-prompts", args.sweep_num_prompts))
+    for flag, count in asked:
+        if count > len(entries):
+            raise SystemExit(f"{flag} {count} asks for more requests than --dataset {args.dataset} holds "
+                             f"({len(entries)}); the dataset is not repeated: lower {flag} to at most {len(entries)}")
 
 
 def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=None) -> dict:
@@ -165,7 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench load-test", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,piecewise+async (see common)")
-    p.add_argument("--num-prompts", type=common.int_at_least(1), default=500)
+    p.add_argument("--num-prompts", type=common.int_at_least(1), default=None,
+                   help="requests to send (default: every line of --dataset, else 500)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     p.add_argument("--max-concurrency", type=common.int_at_least(1), default=None, help="most requests in flight at once")
@@ -216,6 +236,7 @@ def main(argv=None) -> int:
     slos = parse_slos(args.goodput)
     if args.sweep_rates and not slos:
         raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")
+    resolve_num_prompts(args, args.dataset_entries)
     console = Console(stderr=True)
     model = common.resolve_model(args.model, args.seed)
     results, sweeps = {}, {}

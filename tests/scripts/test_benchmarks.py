@@ -150,6 +150,22 @@ def test_load_test_bad_dataset_named_before_building_an_engine(tmp_path, content
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--num-prompts", "3"], "--num-prompts 3 asks for more requests than --dataset {ds} holds (2); the dataset "
+                             "is not repeated: lower --num-prompts to at most 2"),
+    (["--num-prompts", "2", "--sweep-rates", "--goodput", "ttft:1e9", "--sweep-num-prompts", "5"],
+     "--sweep-num-prompts 5 asks for more requests than --dataset {ds} holds (2)"),
+])
+def test_load_test_dataset_shorter_than_asked_is_refused(tmp_path, monkeypatch, flags, expected):
+    """Found by probing: --num-prompts 10 on a 2-line dataset ran 2 requests, with nothing said."""
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": [5, 6, 7]}\n\n{"prompt": [8, 9]}\n')
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit) as e:
+        load_test.main(["--device", "cpu", "--dataset", str(ds), *flags])
+    assert expected.format(ds=ds) in str(e.value)
+
+
 def test_load_test_missing_dataset(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
     with pytest.raises(SystemExit, match="--dataset: cannot read"):
