@@ -152,6 +152,10 @@ class EngineConfig:
             return "full_and_piecewise" if device_type == "cuda" else "eager"
         return self.mode
 
+    def resolved_max_model_len(self, max_position_embeddings: int) -> int:
+        """max_model_len, or the checkpoint's max_position_embeddings capped at 4096."""
+        return self.max_model_len or min(max_position_embeddings, 4096)
+
     def resolved_async(self, device_type: str) -> bool:
         return device_type == "cuda" if self.async_scheduling is None else bool(self.async_scheduling)
 

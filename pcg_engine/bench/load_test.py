@@ -7,7 +7,8 @@
 Gaps between submissions are gamma-distributed with shape = burstiness and mean 1 / rate: shape 1 is a
 Poisson process, smaller is burstier (coefficient of variation of the gaps = 1 / sqrt(shape)). The
 engine runs in its own thread (engine_thread.py); the client submits on schedule regardless of how far
-behind the engine is, so queueing shows up in TTFT, as it would for a server.
+behind the engine is, so queueing shows up in TTFT, as it would for a server. The requests, and
+their checks before any engine is built, are load_test_requests.py's.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ import numpy as np
 from pcg_engine.bench import common, cpu_probe
 from pcg_engine.bench.engine_thread import EngineLoop, run_client
 from pcg_engine.bench.load_metrics import parse_slos, summarize, table_rows
-from pcg_engine.prompt_files import parse_json, read_lines
-
-DEFAULT_NUM_PROMPTS = 500      # random prompts; a dataset's default is all of its lines
+from pcg_engine.bench.load_test_requests import build_dataset, prepare, read_dataset, resolve_num_prompts
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
@@ -34,72 +33,6 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
         raise SystemExit(f"--request-rate ({rate}) and --burstiness ({burstiness}) must be > 0")
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if n else np.zeros(0)
-
-
-def build_dataset(args, llm, num: int, seed: int) -> list[tuple[list[int], int]]:
-    """[(prompt ids, output length)], from --dataset JSONL or random ids (same seed, same prompts).
-
-    Warm-up and sweep trials draw with other seeds: reusing a prompt would hit the prefix cache."""
-    rng = np.random.default_rng(seed)
-    if args.dataset:
-        entries = getattr(args, "dataset_entries", None) or read_dataset(args.dataset)
-        items = []
-        for prompt, out in entries[:num]:
-            ids = list(prompt) if isinstance(prompt, list) else llm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            items.append((ids, args.output_len if out is None else out))
-    else:
-        lo, hi = common.length_bounds(args.input_len, args.range_ratio)
-        olo, ohi = common.length_bounds(args.output_len, args.range_ratio)
-        in_lens = rng.integers(lo, hi + 1, size=num)
-        out_lens = rng.integers(olo, ohi + 1, size=num)
-        prompts = common.random_prompts(rng, common.token_pool(llm), in_lens, args.shared_prefix_len)
-        items = list(zip(prompts, out_lens.tolist()))
-    limit = llm.engine.max_model_len
-    for ids, out in items:
-        if len(ids) + out > limit:
-            raise SystemExit(f"a request of {len(ids)} prompt + {out} output tokens exceeds max_model_len {limit}; "
-                             "lower --input-len / --output-len / --range-ratio or raise --max-model-len")
-    return items
-
-
-def read_dataset(path: str) -> list[tuple[str | list[int], int | None]]:
-    """--dataset JSONL as (prompt, output_len or None), checked line by line before any engine is
-    built: a file that cannot be read, a line that is not JSON or lacks a usable "prompt" (a
-    non-empty string or list of token ids), an "output_len" that is not an integer >= 1, or no
-    request at all stops the command with the line's number."""
-    entries = []
-    for number, line in read_lines(path, "--dataset"):
-        obj = parse_json(line, number, "--dataset")
-        prompt = obj.get("prompt") if isinstance(obj, dict) else None
-        ids_ok = isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not ids_ok:
-            raise SystemExit(f"--dataset: line {number}: needs a \"prompt\": a non-empty string or list of "
-                             f"token ids (integers >= 0)")
-        out = obj.get("output_len")
-        if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 1):
-            raise SystemExit(f"--dataset: line {number}: \"output_len\" must be an integer >= 1, got {out!r}")
-        entries.append((prompt, out))
-    if not entries:
-        raise SystemExit(f"--dataset: {path} holds no request")
-    return entries
-
-
-def resolve_num_prompts(args, entries) -> None:
-    """--num-prompts' default (every line of --dataset, else DEFAULT_NUM_PROMPTS), and a refusal
-    when --num-prompts or --sweep-num-prompts asks for more requests than the dataset holds (it
-    was used as it was: a shorter run than asked, with nothing said)."""
-    if args.num_prompts is None:
-        args.num_prompts = len(entries) if entries else DEFAULT_NUM_PROMPTS
-    if not entries:
-        return
-    asked = [("--num-prompts", args.num_prompts)]
-    if args.sweep_rates:
-        asked.append(("--sweep-num-prompts", args.sweep_num_prompts))
-    for flag, count in asked:
-        if count > len(entries):
-            raise SystemExit(f"{flag} {count} asks for more requests than --dataset {args.dataset} holds "
-                             f"({len(entries)}); the dataset is not repeated: lower {flag} to at most {len(entries)}")
 
 
 def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=None) -> dict:
@@ -232,20 +165,21 @@ def main(argv=None) -> int:
 
     args = make_parser().parse_args(argv)
     check_args(args)
-    args.dataset_entries = read_dataset(args.dataset) if args.dataset else None
+    entries = read_dataset(args.dataset) if args.dataset else None
     slos = parse_slos(args.goodput)
     if args.sweep_rates and not slos:
         raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")
-    resolve_num_prompts(args, args.dataset_entries)
+    resolve_num_prompts(args, entries)
     console = Console(stderr=True)
     model = common.resolve_model(args.model, args.seed)
+    prepared = prepare(args, model, entries)    # every request checked before an engine is built
     results, sweeps = {}, {}
     for name, mode_kw in common.parse_modes(args.modes):
         console.print(f"[bold]mode {name}[/bold]: building the engine")
         llm = common.build_llm(model, **common.engine_kwargs(args), **mode_kw)
-        dataset = build_dataset(args, llm, args.num_prompts, args.seed)
+        dataset = build_dataset(args, llm, args.num_prompts, args.seed, prepared)
         if args.warmup:
-            warm = build_dataset(args, llm, args.warmup, args.seed + 1000)
+            warm = build_dataset(args, llm, args.warmup, args.seed + 1000, prepared)
             llm.generate([ids for ids, _ in warm], common.bench_params(min(warm[0][1], 16), args.temperature))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[info]}"), console=console, disable=args.no_progress) as progress:
@@ -261,7 +195,7 @@ def main(argv=None) -> int:
                 seeds = iter(range(args.seed + 2000, args.seed + 3000))
 
                 def run_at(rate):
-                    short = build_dataset(args, llm, args.sweep_num_prompts, next(seeds))
+                    short = build_dataset(args, llm, args.sweep_num_prompts, next(seeds), prepared)
                     return run_once(llm, short, args, rate, slos, f"{name}-sweep", progress)
                 best, trials = sweep_rates(run_at, start,
                     lambda res: passes(res, args.sweep_attainment), bisect_steps=args.sweep_bisect)

@@ -63,7 +63,7 @@ class ModelRunner:
         hf = self.model.config
         self.hf_config = hf
         self.vocab_size = hf.vocab_size
-        self.max_model_len = config.max_model_len or min(getattr(hf, "max_position_embeddings", 4096), 4096)
+        self.max_model_len = config.resolved_max_model_len(hf.max_position_embeddings)
         self.num_layers = hf.num_hidden_layers
         self.num_heads, self.num_kv_heads = hf.num_attention_heads, hf.num_key_value_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_heads

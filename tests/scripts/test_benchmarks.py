@@ -166,6 +166,38 @@ def test_load_test_dataset_shorter_than_asked_is_refused(tmp_path, monkeypatch, 
     assert expected.format(ds=ds) in str(e.value)
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tiny_checkpoints import build_tiny
+    return str(build_tiny(tmp_path_factory.getbasetemp(), "tiny-qwen3"))
+
+
+@pytest.mark.parametrize("dataset, flags, expected", [
+    ('{"prompt": [5, 6, 7]}\n\n{"prompt": [5, 1024, 7]}\n', [],
+     "--dataset: line 3: token 1024 at position 1 is outside the model's vocabulary; allowed: 0..1023 (vocab_size"),
+    ('{"prompt": [5, 6, 7]}\n{"prompt": [5, 6, 7], "output_len": 62}\n', ["--max-model-len", "64"],
+     "--dataset: line 2: a request of 3 prompt + 62 output tokens exceeds max_model_len 64"),
+    ('{"prompt": "' + "hello " * 40 + '"}\n', ["--max-model-len", "32"],
+     "output tokens exceeds max_model_len 32; shorten it"),      # (a text prompt: its count is the tokenizer's)
+    (None, ["--input-len", "40", "--range-ratio", "0.5", "--max-model-len", "62"],
+     "the longest request the flags allow, 60 prompt + 3 output tokens (--shared-prefix-len 0, --input-len 40, "
+     "--output-len 2, --range-ratio 0.5), exceeds max_model_len 62"),
+    (None, ["--input-len", "8", "--shared-prefix-len", "60", "--max-model-len", "64"],
+     "the longest request the flags allow, 68 prompt + 2 output tokens (--shared-prefix-len 60"),
+], ids=["token-outside-vocab", "ids-too-long", "text-too-long", "random-too-long", "shared-prefix-too-long"])
+def test_load_test_requests_that_cannot_run_are_refused_before_building_an_engine(
+        tiny_model, tmp_path, monkeypatch, dataset, flags, expected):
+    """Found by probing: a dataset token outside the vocabulary failed its request, the reason only in
+    the JSON; a request longer than max_model_len was found after the engine was built."""
+    if dataset is not None:
+        (tmp_path / "d.jsonl").write_text(dataset)
+        flags = ["--dataset", str(tmp_path / "d.jsonl"), *flags]
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit) as e:
+        load_test.main(["--model", tiny_model, "--device", "cpu", "--output-len", "2", *flags])
+    assert expected in str(e.value)
+
+
 def test_load_test_missing_dataset(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
     with pytest.raises(SystemExit, match="--dataset: cannot read"):

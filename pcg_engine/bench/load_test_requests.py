@@ -1,0 +1,119 @@
+"""The load test's requests: --dataset JSONL or random prompts, checked against the model before
+any engine is built.
+
+Building an engine takes a minute on a GPU, and a request the engine refuses only fails in the
+results JSON, so everything that decides whether the run's requests can be served is settled
+first: the dataset's lines (JSON, fields), its size against --num-prompts / --sweep-num-prompts
+(it is not repeated), each token against the vocabulary and each request's length against
+max_model_len, from config.json and the tokenizer alone. Random prompts are checked by the longest
+request their flags allow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pcg_engine.bench import common
+from pcg_engine.prompt_files import parse_json, read_lines
+
+DEFAULT_NUM_PROMPTS = 500      # random prompts; a dataset's default is all of its lines
+
+
+def read_dataset(path: str) -> list[tuple[int, str | list[int], int | None]]:
+    """--dataset JSONL as (line number, prompt, output_len or None), checked line by line before
+    any engine is built: a file that cannot be read, a line that is not JSON or lacks a usable
+    "prompt" (a non-empty string or list of token ids), an "output_len" that is not an integer >= 1,
+    or no request at all stops the command with the line's number."""
+    entries = []
+    for number, line in read_lines(path, "--dataset"):
+        obj = parse_json(line, number, "--dataset")
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        ids_ok = isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        if not (isinstance(prompt, str) and prompt) and not ids_ok:
+            raise SystemExit(f"--dataset: line {number}: needs a \"prompt\": a non-empty string or list of "
+                             f"token ids (integers >= 0)")
+        out = obj.get("output_len")
+        if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 1):
+            raise SystemExit(f"--dataset: line {number}: \"output_len\" must be an integer >= 1, got {out!r}")
+        entries.append((number, prompt, out))
+    if not entries:
+        raise SystemExit(f"--dataset: {path} holds no request")
+    return entries
+
+
+def resolve_num_prompts(args, entries) -> None:
+    """--num-prompts' default (every line of --dataset, else DEFAULT_NUM_PROMPTS), and a refusal
+    when --num-prompts or --sweep-num-prompts asks for more requests than the dataset holds (it
+    was used as it was: a shorter run than asked, with nothing said)."""
+    if args.num_prompts is None:
+        args.num_prompts = len(entries) if entries else DEFAULT_NUM_PROMPTS
+    if not entries:
+        return
+    asked = [("--num-prompts", args.num_prompts)]
+    if args.sweep_rates:
+        asked.append(("--sweep-num-prompts", args.sweep_num_prompts))
+    for flag, count in asked:
+        if count > len(entries):
+            raise SystemExit(f"{flag} {count} asks for more requests than --dataset {args.dataset} holds "
+                             f"({len(entries)}); the dataset is not repeated: lower {flag} to at most {len(entries)}")
+
+
+def prepare(args, model: str, entries) -> list[tuple[list[int], int]] | None:
+    """Check every request the run can send against the model (config.json, the tokenizer), before
+    an engine is built. Returns the dataset's requests as (prompt ids, output length), tokenized
+    here once for every mode; None for random prompts (drawn per engine: they need its tokenizer)."""
+    from pcg_engine.config import EngineConfig
+    from pcg_engine.models.model_config import read_config
+
+    config = read_config(model)
+    limit = EngineConfig(**common.engine_kwargs(args)).resolved_max_model_len(config.max_position_embeddings)
+    if not entries:
+        _, hi = common.length_bounds(args.input_len, args.range_ratio)
+        _, ohi = common.length_bounds(args.output_len, args.range_ratio)
+        prompt = args.shared_prefix_len + hi
+        if prompt + ohi > limit:
+            raise SystemExit(f"the longest request the flags allow, {prompt} prompt + {ohi} output tokens "
+                             f"(--shared-prefix-len {args.shared_prefix_len}, --input-len {args.input_len}, "
+                             f"--output-len {args.output_len}, --range-ratio {args.range_ratio:g}), exceeds "
+                             f"max_model_len {limit}; lower them or raise --max-model-len")
+        return None
+    used = max(args.num_prompts, args.warmup, args.sweep_num_prompts if args.sweep_rates else 0)
+    entries = entries[:used]
+    tokenizer = None
+    if any(isinstance(prompt, str) for _, prompt, _ in entries):
+        from pcg_engine.engine.tokenizer import LazyTokenizer
+        tokenizer = LazyTokenizer(model).get()      # a checkpoint without one: named, as the engine would
+    items = []
+    for number, prompt, out in entries:
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = prompt
+            bad = next(((i, t) for i, t in enumerate(ids) if t >= config.vocab_size), None)
+            if bad is not None:
+                raise SystemExit(f"--dataset: line {number}: token {bad[1]} at position {bad[0]} is outside the "
+                                 f"model's vocabulary; allowed: 0..{config.vocab_size - 1} (vocab_size in "
+                                 f"{model}/config.json)")
+        out = args.output_len if out is None else out
+        if len(ids) + out > limit:
+            raise SystemExit(f"--dataset: line {number}: a request of {len(ids)} prompt + {out} output tokens "
+                             f"exceeds max_model_len {limit}; shorten it, lower its output_len (or --output-len) "
+                             "or raise --max-model-len")
+        items.append((list(ids), out))
+    return items
+
+
+def build_dataset(args, llm, num: int, seed: int, prepared=None) -> list[tuple[list[int], int]]:
+    """[(prompt ids, output length)]: the first `num` of the prepared --dataset, or random ids (same
+    seed, same prompts; random warm-up and sweep trials draw with other seeds: reusing a prompt
+    would hit the prefix cache)."""
+    if prepared is not None:
+        return prepared[:num]
+    rng = np.random.default_rng(seed)
+    lo, hi = common.length_bounds(args.input_len, args.range_ratio)
+    olo, ohi = common.length_bounds(args.output_len, args.range_ratio)
+    in_lens = rng.integers(lo, hi + 1, size=num)
+    out_lens = rng.integers(olo, ohi + 1, size=num)
+    prompts = common.random_prompts(rng, common.token_pool(llm), in_lens, args.shared_prefix_len)
+    return list(zip(prompts, out_lens.tolist()))
