@@ -181,6 +181,10 @@ def _check_transformers_fields(raw: dict, where: str, vocab_size: int) -> None:
                                    for i in ids):
         raise CheckpointError(f"{where}: field 'eos_token_id' is {eos!r}; allowed: a token id in 0..{vocab_size - 1} "
                               "(vocab_size), a list of them, or null")
+    for key in ("bos_token_id", "pad_token_id"):     # unused by the engine: only their type is checked
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise CheckpointError(f"{where}: field {key!r} is {value!r}; allowed: a token id (an integer) or null")
     for key in ("torch_dtype", "dtype"):     # the hub's spelling and transformers 5's
         value = raw.get(key)
         if value is not None and value not in FLOAT_DTYPES:

@@ -296,6 +296,9 @@ def test_bad_config_field(ckpt_copy):
                  "(vocab_size), a list of them, or null", id="eos_token_id-text"),
     pytest.param({"eos_token_id": [2, 1024]}, "field 'eos_token_id' is [2, 1024]", id="eos_token_id-beyond-vocab"),
     pytest.param({"eos_token_id": True}, "field 'eos_token_id' is True", id="eos_token_id-bool"),
+    pytest.param({"bos_token_id": "x"}, "field 'bos_token_id' is 'x'; allowed: a token id (an integer) or null",
+                 id="bos_token_id-text"),
+    pytest.param({"pad_token_id": [0]}, "field 'pad_token_id' is [0]", id="pad_token_id-list"),
     pytest.param({"torch_dtype": "float33"}, "field 'torch_dtype' is 'float33'; allowed: 'bfloat16', 'float16', "
                  "'float32', 'float64' or null", id="torch_dtype-unknown"),
     pytest.param({"dtype": "int8"}, "field 'dtype' is 'int8'", id="dtype-int"),
