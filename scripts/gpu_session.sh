@@ -9,7 +9,7 @@
 # at most 400 s here, TESTS= narrows it), p1 (latency, 0.6B, all
 # modes), p5 (start-up), p5notrace (p5 with PCG_SAVED_TRACE=0), p5warm2 (p5 with PCG_FULL_GRAPH_WARMUPS=2), p5warmfirst (p5 with PCG_FULL_GRAPH_WARMUP_EVERY=0), p5ab (P5AB=VAR=A,B: one cold start, then warm starts
 # with VAR=A, B, A, B on its caches), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0), p2, p3, p3rates (P3 at higher rates),
-# probeproc (bench/cpu_probe.py in PROBE_PROCS fresh processes), ttft (issue 5's 1/8/32 x 512), ttfttree (ttft at TTFT_N prompts, this tree against AB_TREE, alternated twice; TTFT_MODES), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
+# probeproc (bench/cpu_probe.py in PROBE_PROCS fresh processes), coreprobe (scripts/core_probe.py: the probe on each core, three processes), corepin (P1 on coreprobe's fastest and slowest core), ttft (issue 5's 1/8/32 x 512), ttfttree (ttft at TTFT_N prompts, this tree against AB_TREE, alternated twice; TTFT_MODES), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
@@ -127,6 +127,18 @@ part() {
             timeout $(lim 30) python3 -c "import json; from pcg_engine.bench import cpu_probe; print(json.dumps(cpu_probe.probe()))"
           done > $OUT/probeproc.jsonl; python3 -c "import json,sys; r=[json.loads(l) for l in open('$OUT/probeproc.jsonl')]
 for k in ('python_median_us', 'torch_median_us'): v=sorted(x[k] for x in r); print(k, len(v), 'min %.0f median %.0f max %.0f' % (v[0], v[len(v)//2], v[-1]))" ;;
+    coreprobe) for i in 1 2 3; do   # scripts/core_probe.py in three processes, 5 s apart: is the slow speed a core's?
+            timeout $(lim 60) python3 scripts/core_probe.py --json $OUT/cores_$i.json 2>&1 | sed "s/^/probe $i /"; sleep 5
+          done ;;
+    corepin) # P1 (P1_MODES, default piecewise) under taskset on the fastest and the slowest core of coreprobe's last
+          # process by its median Python probe, alternated twice (run coreprobe first)
+          read fast slow < <(python3 -c "import json; d=json.load(open('$OUT/cores_3.json'))['cores']
+m = {c: sorted(r['python_median_us'] for r in runs)[len(runs) // 2] for c, runs in d.items()}; s = sorted(m, key=m.get); print(s[0], s[-1])")
+          echo "fastest core $fast, slowest core $slow"
+          for i in 1 2; do for c in $fast $slow; do
+            taskset -c $c timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-0.6b}) --modes ${P1_MODES:-piecewise} \
+              --num-iters 2 --warmup-iters 1 --json $OUT/corepin_$c-$i.json 2>&1 | grep -E "│|the OS|fixed host" | sed "s/^/core=$c run $i /"
+          done; done ;;
     p4) timeout $(lim 60) $B overhead --host-only --model $(model qwen3-0.6b) --batch-sizes 16,64,256 --json $OUT/p4_host.json 2>&1 | tail -8 ;;
     overhead) for n in ${OVERHEAD_N:-16 64 256}; do
             timeout $(lim 150) $B overhead --model $(model qwen3-0.6b) --requests $n --slots $n --new-tokens 64 \
