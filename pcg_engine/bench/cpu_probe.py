@@ -4,9 +4,14 @@ benchmarks record beside their own figures.
 Why: on the H200 host, host-bound work runs at a different speed in each process. Batch-1
 piecewise decode reads ~1.07 ms a token in one process and 1.2-1.7 ms in the next; eager prefill's
 TTFT of 8 x 512 tokens read 39-80 ms over 13 processes of one call (session 16), with no order by
-commit. Sessions 13-16 ruled out the core, the other threads, glibc's arenas and huge pages. If
-the machine itself (a KVM guest) runs some processes' threads slower, a fixed workload that does
-not touch the engine slows with them; if the engine's own state is at fault, it does not.
+commit. Sessions 13-16 ruled out the core, the other threads, glibc's arenas and huge pages.
+
+What it found (docs/PERF.md, session 16, calls 3-4): in twenty fresh processes with no engine, the
+Python workload took ~3.7 ms in ten and ~7.5-8.7 ms in the other ten; on each of the 16 cores in
+turn, every core was slow at times, flipping within a second or so. The host (a KVM guest) runs
+any thread at one of two speeds 2x apart, and P1's piecewise TPOT follows the probe taken before
+its timed part (1.05-1.13 ms at 3.6-4.9 ms, 1.34 ms at 7.9). So host-bound figures compare only
+with this probe beside them.
 
 Two workloads, each timed `repeats` times (the minimum is the core's speed with the least
 interference, the median what a step meets):

@@ -3,10 +3,9 @@ between cores, and how much of its memory sits on transparent huge pages.
 
 Why: batch-1 piecewise decode is host-bound, and on the H200 host one process runs it at ~1.07 ms
 a token while the next reads 1.2-1.7 ms, with every host phase slower alike (docs/PERF.md, sessions
-13-15). Session 15 ruled out the core the thread runs on, the other threads and glibc's arenas.
-What is left includes the memory system, e.g. TLB misses in a VM whose heap did or did not get
-huge pages. P1 and scripts/host_drift.py record these figures with every run, so that fast and
-slow processes can be compared. Linux only: elsewhere the snapshot is empty.
+13-16). None of these figures told the two apart, nor did huge pages (session 16); the cause was
+the machine's CPU speed, which bench/cpu_probe.py measures. P1 and scripts/host_drift.py still
+record these figures with every run. Linux only: elsewhere the snapshot is empty.
 """
 
 from __future__ import annotations
