@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from pcg_engine.bench import common
+from pcg_engine.bench import common, cpu_probe
 from pcg_engine.bench.rebuild_baseline import RebuildBatch
 
 
@@ -61,6 +61,7 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
             engine.step()
         common.reset_stats(llm)
         fake.prepare_s = 0.0
+        probe_before = cpu_probe.probe()
         profiler = cProfile.Profile() if profile_path else None
         if profiler is not None:
             profiler.enable()
@@ -69,13 +70,16 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
         if profiler is not None:
             profiler.disable()
             _write_profile(profiler, profile_path, f"{impl}, {n} running, {steps} timed steps")
+        probe_after = cpu_probe.probe()
         stats = engine.stats
         decoded = stats.generated_tokens
         result = {"impl": impl, "running": n, "steps": stats.steps,
                   "host_ms_per_step": 1000 * stats.host_s / stats.steps,
                   "prepare_ms_per_step": 1000 * fake.prepare_s / stats.steps,
                   "sync_wait_ms_per_step": 1000 * stats.sync_wait_s / stats.steps,
-                  "tokens_per_step": decoded / stats.steps}
+                  "tokens_per_step": decoded / stats.steps,
+                  # how fast this machine ran fixed host work around the timed steps (bench/cpu_probe.py)
+                  "cpu_probe": {"before": probe_before, "after": probe_after}}
         for rid in ids:
             if rid in engine.requests:
                 engine.abort_request(rid)
@@ -138,5 +142,7 @@ def run_host_only(args, console) -> dict:
                        [[s["running"], s["rebuild_host_ms"], s["persistent_host_ms"], f"{s['speedup']:.2f}x",
                          s["rebuild_prepare_ms"], s["persistent_prepare_ms"], f"{s['prepare_speedup']:.2f}x"]
                         for s in summary])
+    for r in rows:
+        print(f"{r['impl']} at {r['running']}: fixed host work (bench/cpu_probe.py): {cpu_probe.summary(**r['cpu_probe'])}")
     return {"benchmark": "host_overhead", **common.env_record(model, args.device),
             "config": common.config_record(args), "host_only": summary, "runs": rows}

@@ -297,6 +297,7 @@ def test_host_overhead(tmp_path):
     assert [s["running"] for s in data["host_only"]] == [4, 8]
     for run in data["runs"]:
         assert run["steps"] == 3 and run["tokens_per_step"] == run["running"] and run["host_ms_per_step"] > 0
+        assert run["cpu_probe"]["before"]["python_min_us"] > 0      # bench/cpu_probe.py, around the timed steps
     # the profile covers the persistent batch's timed steps at the largest size only: 3 engine steps
     import pstats
     steps = [v for k, v in pstats.Stats(str(prof)).stats.items() if k[2] == "step" and "llm_engine" in k[0]]
