@@ -41,6 +41,16 @@ class Entry:
     end: int
 
 
+class _Object(dict):
+    """A JSON object that keeps the keys it was given more than once: json.loads alone keeps the
+    last value of a repeated key, so a header naming a tensor twice would load one of them silently."""
+
+    def __init__(self, pairs):
+        super().__init__(pairs)
+        seen = set()
+        self.repeated = [k for k, _ in pairs if k in seen or seen.add(k)]
+
+
 def read_header(path: Path) -> list[Entry]:
     """The tensors of a shard in file order, validated against the file's size."""
     path = Path(path)
@@ -53,18 +63,24 @@ def read_header(path: Path) -> list[Entry]:
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER or 8 + n > size:
                 raise CheckpointError(f"{path}: not a safetensors file (header length {n} for a {size}-byte file)")
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n), object_pairs_hook=_Object)
     except OSError as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: invalid safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: invalid safetensors header (not a JSON object)")
+    if header.repeated:
+        raise CheckpointError(f"{path}: the safetensors header names tensor {header.repeated[0]!r} more than once; "
+                              "a shard holds each tensor once (which entry is meant cannot be told)")
     start = 8 + n
     entries = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if isinstance(info, _Object) and info.repeated:
+            raise CheckpointError(f"{path}: tensor {name!r}: its header entry gives {info.repeated[0]!r} more "
+                                  "than once")
         try:
             dtype = DTYPES[info["dtype"]]
             shape = tuple(info["shape"])

@@ -87,6 +87,23 @@ def test_bad_headers_are_named(tmp_path, header, data, message):
     assert str(path) in str(info.value)
 
 
+@pytest.mark.parametrize("blob, message", [
+    pytest.param(b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+                 b'"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}',
+                 "the safetensors header names tensor 'x' more than once", id="tensor-twice"),
+    pytest.param(b'{"x": {"dtype": "F32", "shape": [1], "shape": [2], "data_offsets": [0, 8]}}',
+                 "tensor 'x': its header entry gives 'shape' more than once", id="field-twice"),
+])
+def test_repeated_header_keys_are_refused(tmp_path, blob, message):
+    """Found by probing: json keeps the last of a repeated key, so a shard naming a tensor twice
+    loaded one of the two without a word."""
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0" * 8)
+    with pytest.raises(CheckpointError) as info:
+        read_header(path)
+    assert str(info.value).startswith(f"{path}: {message}")
+
+
 def test_not_safetensors(tmp_path):
     path = tmp_path / "junk.safetensors"
     path.write_bytes(b"\xff" * 64)
