@@ -82,23 +82,41 @@ class _Targets:
                 self.expected[name] = (name, None, slice(None))
         self.tied = getattr(model, "tie_word_embeddings", False)
         self.filled: set[str] = set()
+        self.layouts: dict[str, tuple[str, Path]] = {}   # expert parameter -> first tensor filling it, its shard
 
-    def resolve(self, key: str):
-        """(parameter name, view) for checkpoint tensor `key`, None to skip, or KeyError."""
+    def resolve(self, key: str, file: Path):
+        """(parameter name, view) for checkpoint tensor `key` of shard `file`, None to skip, or KeyError."""
         if key in self.expected:
             name, e, rows = self.expected[key]
             p = self.params[name]
+            if e is not None:
+                self._one_layout(name, key, file)
             return key, (p.data[e][rows] if e is not None else p.data)
         m = _FUSED_EXPERTS.match(key)  # transformers 5's own stacked-experts layout
         if m:
             name = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
             if name in self.params:
+                self._one_layout(name, key, file)
                 return name, self.params[name].data
         if self.tied and key == "lm_head.weight":
             return None
         if key.endswith("rotary_emb.inv_freq"):
             return None
         raise KeyError(key)
+
+    def _one_layout(self, param: str, key: str, file: Path) -> None:
+        """An expert weight comes stacked (experts.gate_up_proj) or one module per expert
+        (experts.N.gate_proj.weight), not both: both fill the same parameter, and the one read last
+        would win without a word."""
+        first, first_file = self.layouts.setdefault(param, (key, file))
+        if bool(_FUSED_EXPERTS.match(first)) != bool(_FUSED_EXPERTS.match(key)):
+            pair = [(first, first_file), (key, file)]
+            if not _FUSED_EXPERTS.match(first):
+                pair.reverse()
+            (stacked, s_file), (single, e_file) = pair
+            raise CheckpointError(f"layer {param.rsplit('.', 1)[0]}: its experts are stored in two layouts, "
+                                  f"stacked ({stacked!r} in {s_file}) and one module per expert ({single!r} in "
+                                  f"{e_file}); a checkpoint stores a layer's experts in one of them")
 
     def mark(self, key: str):
         if key.endswith(".w13") or key.endswith(".w2"):
@@ -160,7 +178,7 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
                                       f"{file}; a checkpoint holds each tensor in one shard")
             stored_in[entry.name] = file
             try:
-                resolved = targets.resolve(entry.name)
+                resolved = targets.resolve(entry.name, file)
             except KeyError:
                 raise CheckpointError(f"{file}: unexpected tensor {entry.name!r} (not part of "
                                       f"{type(model).__name__} for this config)") from None

@@ -364,6 +364,41 @@ def test_tensor_in_two_shards_is_refused(ckpt_copy, with_index):
     assert f"tensor {K!r} is stored twice, in {ckpt_copy / shards[0]} and in {ckpt_copy / shards[1]}" in msg
 
 
+def stack_experts(tensors: dict, layer: int, drop_per_expert: bool) -> None:
+    """Add layer `layer`'s experts in transformers 5's stacked layout (gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]), optionally dropping the per-expert tensors they replace."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    per_expert = {k for k in tensors if k.startswith(prefix + ".") and k.endswith("_proj.weight")}
+    E = len(per_expert) // 3
+    pick = lambda e, proj: tensors[f"{prefix}.{e}.{proj}.weight"]      # noqa: E731
+    tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([pick(e, "gate_proj"), pick(e, "up_proj")])
+                                                     for e in range(E)])
+    tensors[f"{prefix}.down_proj"] = torch.stack([pick(e, "down_proj") for e in range(E)])
+    if drop_per_expert:
+        for k in per_expert:
+            del tensors[k]
+
+
+def test_moe_experts_in_both_layouts_are_refused(checkpoints, tmp_path):
+    """Found by probing: a layer given both stacked experts (experts.gate_up_proj) and per-expert
+    tensors (experts.N.gate_proj.weight) filled the same weights from both, the one read last winning."""
+    moe = tmp_path / "moe"
+    shutil.copytree(checkpoints["tiny-qwen3-moe"], moe)
+    want = dict(load_model(moe, device="cpu", dtype=torch.float32, fuse=False).named_parameters())
+    # Stacked alone is a layout the loader takes: the same weights.
+    rewrite_weights(moe, lambda t: stack_experts(t, 0, drop_per_expert=True))
+    got = dict(load_model(moe, device="cpu", dtype=torch.float32, fuse=False).named_parameters())
+    assert all(torch.equal(got[n], p) for n, p in want.items())
+    # Both, in one shard: refused, naming the layer and a tensor of each layout.
+    file = moe / "model.safetensors"
+    shutil.copyfile(checkpoints["tiny-qwen3-moe"] / "model.safetensors", file)
+    rewrite_weights(moe, lambda t: stack_experts(t, 1, drop_per_expert=False))
+    msg = load_error(moe)
+    assert msg.startswith("layer model.layers.1.mlp: its experts are stored in two layouts, stacked "
+                          f"('model.layers.1.mlp.experts.down_proj' in {file}) and one module per expert "
+                          f"('model.layers.1.mlp.experts.0.down_proj.weight' in {file})"), msg
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_lm_head_of_the_wrong_shape_is_refused(ckpt_copy, tied):
     """Found by probing: a tied model's stored lm_head.weight was skipped whatever its shape."""
