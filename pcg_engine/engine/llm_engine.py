@@ -66,8 +66,8 @@ class LLMEngine:
         # Loaded on first use (engine/tokenizer.py): importing transformers is seconds of start-up,
         # and token-id prompts without detokenizing never need it.
         self.lazy_tokenizer = LazyTokenizer(self.model_path)
-        self.eos_token_ids = eos_token_ids(self.model_path, self.lazy_tokenizer)
         self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = eos_token_ids(self.model_path, self.lazy_tokenizer, self.vocab_size)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,

@@ -131,17 +131,30 @@ def tokenizer_eos_id(path: Path):
     return _UNKNOWN
 
 
-def eos_token_ids(path: Path, tokenizer=None) -> set[int]:
+def _generation_eos_ids(file: Path, value, vocab_size: int | None) -> list[int]:
+    """generation_config.json's eos_token_id: a token id, a list of them, or null. Any other entry
+    is refused, not dropped: a request would run on past the EOS the file meant, and an id beyond
+    the vocabulary is never sampled (config.json's eos_token_id is checked the same way at load)."""
+    ids = value if isinstance(value, list) else [value]
+    upper = vocab_size if vocab_size is not None else float("inf")
+    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < upper
+                                     for i in ids):
+        allowed = (f"a token id in 0..{vocab_size - 1} (config.json's vocab_size)" if vocab_size is not None
+                   else "a token id (an integer >= 0)")
+        raise CheckpointError(f"{file}: field 'eos_token_id' is {value!r}; allowed: {allowed}, a list of them, "
+                              "or null")
+    return [] if value is None else ids
+
+
+def eos_token_ids(path: Path, tokenizer=None, vocab_size: int | None = None) -> set[int]:
     """EOS ids from generation_config.json (int or list) and the tokenizer. `tokenizer` may be a
-    loaded tokenizer, a LazyTokenizer (loaded only if its files do not give the id) or None."""
+    loaded tokenizer, a LazyTokenizer (loaded only if its files do not give the id) or None.
+    vocab_size, where known (the engine's model), bounds generation_config.json's ids."""
     ids: set[int] = set()
-    config = _read_json(Path(path) / "generation_config.json")
+    file = Path(path) / "generation_config.json"
+    config = _read_json(file)
     if config is not None:
-        value = config.get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
+        ids.update(_generation_eos_ids(file, config.get("eos_token_id"), vocab_size))
     eos = tokenizer_eos_id(path) if isinstance(tokenizer, LazyTokenizer) and not tokenizer.loaded else _UNKNOWN
     if eos is _UNKNOWN:
         if isinstance(tokenizer, LazyTokenizer) and not tokenizer.available:

@@ -477,3 +477,42 @@ def test_broken_generation_config_is_named(ckpt_copy, content, expected):
     with pytest.raises(CheckpointError) as info:
         eos_token_ids(ckpt_copy)                 # what the engine reads it with, at start-up
     assert "generation_config.json" in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.parametrize("value, expected", [
+    pytest.param(["x", 99999], "field 'eos_token_id' is ['x', 99999]; allowed: a token id in 0..1023 "
+                 "(config.json's vocab_size), a list of them, or null", id="text-and-beyond-vocab"),
+    pytest.param([2, 1024], "field 'eos_token_id' is [2, 1024]; allowed: a token id in 0..1023", id="beyond-vocab"),
+    pytest.param(-1, "field 'eos_token_id' is -1", id="negative"),
+    pytest.param("2", "field 'eos_token_id' is '2'", id="text"),
+    pytest.param([True], "field 'eos_token_id' is [True]", id="bool"),
+])
+def test_bad_generation_config_eos_is_refused(ckpt_copy, value, expected):
+    """Found by probing: entries that are not integers were dropped (a text eos_token_id was ignored
+    whole) and ids beyond the vocabulary were kept, so ["x", 99999] ran, stopping on no token the
+    file meant. Without a vocab_size only the type can be checked."""
+    from pcg_engine.engine.tokenizer import eos_token_ids
+    file = ckpt_copy / "generation_config.json"
+    gen = json.loads(file.read_text())
+    assert gen["eos_token_id"] == [2, 0]
+    assert eos_token_ids(ckpt_copy, vocab_size=1024) == {2, 0}
+    file.write_text(json.dumps(gen | {"eos_token_id": value}))
+    with pytest.raises(CheckpointError) as info:
+        eos_token_ids(ckpt_copy, vocab_size=1024)
+    assert str(info.value).startswith(f"{file}: {expected}")
+    if value == [2, 1024]:
+        assert eos_token_ids(ckpt_copy) == {2, 1024}
+    else:
+        with pytest.raises(CheckpointError, match=r"allowed: a token id \(an integer >= 0\), a list of them"):
+            eos_token_ids(ckpt_copy)
+
+
+def test_engine_refuses_a_generation_config_eos_beyond_the_vocabulary(ckpt_copy):
+    """The engine reads generation_config.json at start-up with its model's vocab_size."""
+    from pcg_engine.llm import LLM
+    file = ckpt_copy / "generation_config.json"
+    file.write_text(json.dumps({"eos_token_id": ["x", 99999]}))
+    with pytest.raises(CheckpointError) as info:
+        LLM(str(ckpt_copy), device="cpu", max_num_seqs=2, max_model_len=32)
+    assert str(info.value) == (f"{file}: field 'eos_token_id' is ['x', 99999]; allowed: a token id in 0..1023 "
+                               "(config.json's vocab_size), a list of them, or null")
