@@ -111,6 +111,11 @@ class LLM:
             # Other requests' outputs stay with the engine: its next step() returns them first.
             self.engine.pending_outputs[:0] = others
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, so the next prompt is computed in full; False (and
+        nothing changed) while a request is unfinished (LLMEngine.reset_prefix_cache)."""
+        return self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         """Release the engine's GPU memory now rather than whenever the garbage collector runs;
         the next LLM built in this process then sizes its KV cache from a free GPU."""

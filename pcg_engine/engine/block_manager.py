@@ -287,6 +287,21 @@ class BlockManager:
             publish_rows(self, requests, token_ids, rows, num_full,
                          None if self.hash_fn is hash_block else self.hash_fn)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every published block, so the next request finds no cached prefix (a benchmark's
+        measured run starts cold). Only while no request holds a block: a running request's published
+        blocks are in use and its later blocks chain on their hashes, so the cache could not be made
+        cold under it. Returns False, changing nothing, then. The forgotten blocks join the plain
+        free list: the free-block count is unchanged."""
+        if self._tables:
+            return False
+        for block_id in self._free_cached:        # least recently freed first, as eviction would take them
+            self.blocks[block_id].forget()
+            self._free_plain.append(block_id)
+        self._free_cached.clear()
+        self._hash_to_block.clear()
+        return True
+
     # Addressing ----------------------------------------------------------------------------------
 
     def block_table(self, request_id: str) -> list[int]:

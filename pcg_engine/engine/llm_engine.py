@@ -234,6 +234,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.inflight is not None or bool(self.pending_outputs)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (BlockManager.reset_prefix_cache), so the next request
+        finds none: a benchmark's measured run then starts cold, whatever ran before. Only on an
+        idle engine; returns False, changing nothing, while a request is unfinished."""
+        if self.closed:
+            raise EngineClosedError("reset_prefix_cache")
+        if self.has_unfinished_requests():
+            return False
+        return self.block_manager.reset_prefix_cache()
+
     # ---- steps -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of requests that got tokens or finished."""

@@ -179,6 +179,35 @@ def test_freed_block_keeps_hash_and_is_reused_for_a_hit():
     bm.check_invariants()
 
 
+def test_reset_prefix_cache_forgets_every_free_published_block():
+    bm = BlockManager(20, BS)
+    prompt = list(range(9))
+    a = req("a", prompt)
+    run_prefill(bm, a)
+    held = req("held", [40] * 9)
+    run_prefill(bm, held)
+    before = snapshot(bm, a, held)
+    assert not bm.reset_prefix_cache()                  # a request holds blocks: nothing changes
+    assert snapshot(bm, a, held) == before
+    bm.free(a)                                          # a's blocks are free and cached; held's are not free
+    before = snapshot(bm, a, held)
+    assert not bm.reset_prefix_cache() and snapshot(bm, a, held) == before
+    bm.free(held)
+    free = bm.num_free_blocks
+    assert bm.num_cached_blocks == 4 and bm.get_num_cached_prefix_tokens(req("b", prompt)) == 8
+    assert bm.reset_prefix_cache()
+    bm.check_invariants()
+    assert bm.num_free_blocks == free == bm.num_total_blocks and bm.num_cached_blocks == 0
+    assert not bm._free_cached and all(b.hash is None and b.tokens is None for b in bm.blocks)
+    b = req("b", prompt)
+    assert bm.get_num_cached_prefix_tokens(b) == 0
+    assert bm.allocate(b, 9) and b.num_cached_tokens == 0 and b.num_computed_tokens == 0
+    bm.check_invariants()
+    assert bm.reset_prefix_cache() is False            # b holds blocks
+    bm.free(b)
+    assert bm.reset_prefix_cache() and bm.reset_prefix_cache()   # nothing cached: still True
+
+
 def test_eviction_prefers_plain_blocks_then_lru():
     bm = BlockManager(6, BS)                            # 5 usable blocks
     a = req("a", list(range(9)))                        # 3 blocks, 2 published

@@ -100,7 +100,7 @@ def test_prompts_file_unreadable_is_named(tmp_path, name):
 
 
 def test_calls_after_close_name_the_closed_engine(tiny_paths):
-    """generate, stream, add_request and step on a closed engine raise EngineClosedError (was an
+    """generate, stream, add_request, step and reset_prefix_cache on a closed engine raise EngineClosedError (was an
     AttributeError from inside the step, after the request had been queued); close twice is fine."""
     from engine_helpers import make_llm
     from pcg_engine.errors import EngineClosedError
@@ -114,6 +114,8 @@ def test_calls_after_close_name_the_closed_engine(tiny_paths):
         list(llm.stream([5, 6, 7], {"max_tokens": 2}))
     with pytest.raises(EngineClosedError, match="step: the engine is closed"):
         llm.engine.step()
+    with pytest.raises(EngineClosedError, match="reset_prefix_cache: the engine is closed"):
+        llm.reset_prefix_cache()
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
 
 

@@ -100,6 +100,29 @@ def test_prefix_cache_hits_match_transformers(preset, engines, hf_refs):
     assert_drained(llm.engine)
 
 
+def test_reset_prefix_cache_makes_the_next_prompt_miss(engines):
+    """What a benchmark's measured run needs (bench/load_test.py): after a reset the same prompt is
+    computed in full, with the same tokens, and no block is lost. Refused while a request is unfinished."""
+    llm = engines("tiny-qwen3")
+    engine = llm.engine
+    prompt = random_prompts([40], seed=4)[0]
+    first = llm.generate([prompt], greedy())[0]
+    again = llm.generate([prompt], greedy())[0]
+    assert again.metrics.num_cached_tokens == 32 and again.token_ids == first.token_ids
+    free, cached = engine.block_manager.num_free_blocks, engine.block_manager.num_cached_blocks
+    assert cached > 0 and free == engine.block_manager.num_total_blocks
+    rid = engine.add_request(prompt, greedy())
+    assert llm.reset_prefix_cache() is False                # unfinished: nothing forgotten
+    assert engine.block_manager.num_cached_blocks == cached
+    drain(engine)
+    assert rid not in engine.requests
+    assert llm.reset_prefix_cache() is True
+    assert engine.block_manager.num_cached_blocks == 0 and engine.block_manager.num_free_blocks == free
+    cold = llm.generate([prompt], greedy())[0]
+    assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+    assert_drained(llm.engine)
+
+
 def test_preemption_with_prefix_cache_and_chunking_together(engines, hf_refs):
     """The three mechanisms at once, with a mixed batch of shared-prefix and unrelated prompts."""
     llm = engines("tiny-qwen3", num_kv_blocks=12, max_num_batched_tokens=12, block_size=4)
