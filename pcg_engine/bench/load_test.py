@@ -113,6 +113,21 @@ def _trial_row(rate, res) -> dict:
             "duration_s": res["duration_s"]}
 
 
+def sweep_mode(llm, args, prepared, slos: dict, name: str, progress) -> dict:
+    """--sweep-rates for one mode: each trial a fresh set of --sweep-num-prompts requests (the
+    dataset's first lines, or random prompts of a new seed). A function of its own, not a closure in
+    main(): main deletes `llm` after each mode, which left the closure's name undefined to pyflakes."""
+    start = args.sweep_start or (args.request_rate if args.request_rate != float("inf") else 4.0)
+    seeds = iter(range(args.seed + 2000, args.seed + 3000))
+
+    def run_at(rate):
+        short = build_dataset(args, llm, args.sweep_num_prompts, next(seeds), prepared)
+        return run_once(llm, short, args, rate, slos, f"{name}-sweep", progress)
+    best, trials = sweep_rates(run_at, start, lambda res: passes(res, args.sweep_attainment),
+                               bisect_steps=args.sweep_bisect)
+    return {"max_rate": best, "trials": [_trial_row(r, res) for r, res in trials]}
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench load-test", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
@@ -191,15 +206,7 @@ def main(argv=None) -> int:
             results[name]["async_scheduling"] = llm.engine.async_scheduling
             results[name]["engine_config"] = common.engine_config(llm)
             if args.sweep_rates:
-                start = args.sweep_start or (args.request_rate if args.request_rate != float("inf") else 4.0)
-                seeds = iter(range(args.seed + 2000, args.seed + 3000))
-
-                def run_at(rate):
-                    short = build_dataset(args, llm, args.sweep_num_prompts, next(seeds), prepared)
-                    return run_once(llm, short, args, rate, slos, f"{name}-sweep", progress)
-                best, trials = sweep_rates(run_at, start,
-                    lambda res: passes(res, args.sweep_attainment), bisect_steps=args.sweep_bisect)
-                sweeps[name] = {"max_rate": best, "trials": [_trial_row(r, res) for r, res in trials]}
+                sweeps[name] = sweep_mode(llm, args, prepared, slos, name, progress)
         llm.close()
         del llm
     headers, rows = table_rows(results)
