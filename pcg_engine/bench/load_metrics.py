@@ -5,6 +5,8 @@
   ITL    gaps between successive output tokens, pooled over all requests
   E2EL   submission to last token
   goodput  completed requests per second that meet every SLO given (ms): ttft, tpot, e2el
+  cached   prompt tokens served from the prefix cache, per request (cached_tokens) and per run
+           (cached_prompt_tokens); a run starts cold, so they come from prefixes shared within it
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ def request_row(rec) -> dict:
     t = rec.token_times
     row = {"id": rec.request_id, "prompt_len": rec.prompt_len, "output_len_asked": rec.output_len,
            "output_len": rec.num_output_tokens, "ok": rec.ok, "error": rec.error,
-           "ttft_ms": None, "tpot_ms": None, "e2el_ms": None, "engine_ttft_ms": None}
+           "ttft_ms": None, "tpot_ms": None, "e2el_ms": None, "engine_ttft_ms": None, "cached_tokens": None}
     m = rec.engine_metrics      # the engine's own stamps, same clock: a cross-check of the client's
-    if m is not None and m.first_token_time is not None:
-        row["engine_ttft_ms"] = 1000 * (m.first_token_time - m.arrival_time)
+    if m is not None:
+        row["cached_tokens"] = m.num_cached_tokens   # prompt tokens found in the prefix cache, not computed
+        if m.first_token_time is not None:
+            row["engine_ttft_ms"] = 1000 * (m.first_token_time - m.arrival_time)
     if t:
         row["ttft_ms"] = 1000 * (t[0] - rec.submit_time)
         row["e2el_ms"] = 1000 * (t[-1] - rec.submit_time)
@@ -81,6 +85,7 @@ def summarize(records, start: float, end: float, slos: dict[str, float]) -> dict
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        "cached_prompt_tokens": sum(r["cached_tokens"] or 0 for r in ok),
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,

@@ -36,7 +36,12 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
 
 
 def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=None) -> dict:
-    """One load test at `rate` on an idle engine; returns summarize()'s result."""
+    """One load test at `rate` on an idle engine, from a cold prefix cache; returns summarize()'s result."""
+    # A --dataset run sends the warm-up's prompts again, and sweep trials its first lines again:
+    # without this their prompts hit blocks an earlier run cached, and the TTFT measured is not
+    # the prefill's. (Prefixes shared within this run still hit, as they would on a server.)
+    if not llm.reset_prefix_cache():
+        raise RuntimeError(f"{label}: the engine still has unfinished requests before a measured run")
     params = [common.bench_params(out, args.temperature, args.detokenize) for _, out in dataset]
     requests = [(ids, p) for (ids, _), p in zip(dataset, params)]
     offsets = arrival_offsets(len(requests), rate, args.burstiness, np.random.default_rng(args.seed + 1))
@@ -110,13 +115,14 @@ def sweep_rates(run_at, start: float, ok, max_doublings: int = 6, bisect_steps: 
 def _trial_row(rate, res) -> dict:
     return {"rate": rate, "slo_attainment": res["slo_attainment"], "goodput": res["goodput"],
             "failed": res["failed"], "ttft_p90_ms": res["ttft_ms"]["p90"], "tpot_p90_ms": res["tpot_ms"]["p90"],
-            "duration_s": res["duration_s"]}
+            "duration_s": res["duration_s"], "cached_prompt_tokens": res["cached_prompt_tokens"]}
 
 
 def sweep_mode(llm, args, prepared, slos: dict, name: str, progress) -> dict:
     """--sweep-rates for one mode: each trial a fresh set of --sweep-num-prompts requests (the
-    dataset's first lines, or random prompts of a new seed). A function of its own, not a closure in
-    main(): main deletes `llm` after each mode, which left the closure's name undefined to pyflakes."""
+    dataset's first lines, or random prompts of a new seed) from a cold prefix cache (run_once).
+    A function of its own, not a closure in main(): main deletes `llm` after each mode, which left
+    the closure's name undefined to pyflakes."""
     start = args.sweep_start or (args.request_rate if args.request_rate != float("inf") else 4.0)
     seeds = iter(range(args.seed + 2000, args.seed + 3000))
 

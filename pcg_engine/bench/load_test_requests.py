@@ -106,8 +106,9 @@ def prepare(args, model: str, entries) -> list[tuple[list[int], int]] | None:
 
 def build_dataset(args, llm, num: int, seed: int, prepared=None) -> list[tuple[list[int], int]]:
     """[(prompt ids, output length)]: the first `num` of the prepared --dataset, or random ids (same
-    seed, same prompts; random warm-up and sweep trials draw with other seeds: reusing a prompt
-    would hit the prefix cache)."""
+    seed, same prompts; random warm-up and sweep trials draw with other seeds). Either way each
+    measured run starts from a cold prefix cache (load_test.run_once), so a prompt sent again, as
+    the dataset's first lines are, is computed again."""
     if prepared is not None:
         return prepared[:num]
     rng = np.random.default_rng(seed)

@@ -130,6 +130,27 @@ def test_load_test_jsonl_dataset(tmp_path):
     assert data["requests"][1]["prompt_len"] == 4
 
 
+def test_load_test_dataset_runs_start_from_a_cold_prefix_cache(tmp_path):
+    """Found by probing: the warm-up sent the dataset's first prompts, which the measured run then
+    sent again and found in the prefix cache, and each sweep trial found the blocks of the runs
+    before it (the same first lines): their TTFT was not a prefill's. Each run now starts cold;
+    a prompt repeated inside the dataset still hits, as it would on a server."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 1000, size=40).tolist() for _ in range(4)]
+    ds = tmp_path / "prompts.jsonl"
+    ds.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts + [prompts[0]]))
+    out = tmp_path / "load.json"
+    assert load_test.main(["--device", "cpu", "--modes", "eager", "--dataset", str(ds), "--output-len", "2",
+                           "--warmup", "2", "--max-num-seqs", "1", "--sweep-rates", "--goodput", "ttft:1e9",
+                           "--sweep-num-prompts", "3", "--sweep-start", "1000", "--no-progress",
+                           "--json", str(out)]) == 0
+    data = read(out)
+    assert [r["cached_tokens"] for r in data["requests"]] == [0, 0, 0, 0, 32]   # line 5 repeats line 1
+    assert data["cached_prompt_tokens"] == 32
+    trials = data["sweep"]["eager"]["trials"]
+    assert len(trials) == 7 and all(t["failed"] == 0 and t["cached_prompt_tokens"] == 0 for t in trials)
+
+
 @pytest.mark.parametrize("content, expected", [
     (b'{"prompt": "a"}\n{"prompt": "b"\n', "line 2 is not valid JSON"),
     (b'{"text": "a"}\n', 'line 1: needs a "prompt"'),
