@@ -39,6 +39,7 @@ from pcg_engine.engine.sampling_tensors import SamplingRow, SamplingTensors, mak
 from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import LazyTokenizer, eos_token_ids
 from pcg_engine.errors import EngineClosedError, InvalidRequestError
+from pcg_engine.models.model_config import read_config
 from pcg_engine.outputs import RequestOutput
 from pcg_engine.sampling_params import SamplingParams
 
@@ -62,12 +63,14 @@ class LLMEngine:
             self.model_path = Path(ensure_default_model())
         else:
             self.model_path = Path(config.model)
-        self.runner = ModelRunner(config, self.model_path, self.device, progress)
         # Loaded on first use (engine/tokenizer.py): importing transformers is seconds of start-up,
         # and token-id prompts without detokenizing never need it.
         self.lazy_tokenizer = LazyTokenizer(self.model_path)
+        # Before the weights: a broken generation_config.json fails the start in a moment, not after
+        # the load, the compile and the capture.
+        self.eos_token_ids = eos_token_ids(self.model_path, self.lazy_tokenizer, read_config(self.model_path).vocab_size)
+        self.runner = ModelRunner(config, self.model_path, self.device, progress)
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_ids = eos_token_ids(self.model_path, self.lazy_tokenizer, self.vocab_size)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,

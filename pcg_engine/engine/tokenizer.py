@@ -8,10 +8,10 @@ tokenizer_config.json or tokenizer.json give its id). Only when those files leav
 named, a name they do not resolve, two files that disagree) is the tokenizer loaded to ask it.
 """
 
-import json
 from pathlib import Path
 
 from pcg_engine.errors import CheckpointError
+from pcg_engine.models.json_file import read_json_object
 
 
 # The tokenizer's JSON files, read by this module and by transformers.
@@ -72,20 +72,11 @@ class LazyTokenizer:
 _UNKNOWN = object()
 
 
-def _read_json(file: Path) -> dict | None:
+def _read_json(file: Path, refuse_repeats: bool = False) -> dict | None:
     """A checkpoint's JSON file (a tokenizer file, generation_config.json) as its object, None if
-    there is no such file; one that cannot be read as a JSON object is a CheckpointError naming it."""
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text())
-    except OSError as e:
-        raise CheckpointError(f"{file}: unreadable ({e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
-    return data
+    there is no such file; one that cannot be read as a JSON object is a CheckpointError naming it
+    (models/json_file.py)."""
+    return read_json_object(file, refuse_repeats) if file.is_file() else None
 
 
 def _token_text(value):
@@ -152,7 +143,7 @@ def eos_token_ids(path: Path, tokenizer=None, vocab_size: int | None = None) -> 
     vocab_size, where known (the engine's model), bounds generation_config.json's ids."""
     ids: set[int] = set()
     file = Path(path) / "generation_config.json"
-    config = _read_json(file)
+    config = _read_json(file, refuse_repeats=True)
     if config is not None:
         ids.update(_generation_eos_ids(file, config.get("eos_token_id"), vocab_size))
     eos = tokenizer_eos_id(path) if isinstance(tokenizer, LazyTokenizer) and not tokenizer.loaded else _UNKNOWN

@@ -18,6 +18,7 @@ import torch
 
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.fuse import fuse as fuse_model
+from pcg_engine.models.json_file import read_json_object
 from pcg_engine.models.model_config import ModelConfig, read_config
 from pcg_engine.models.qwen3 import Qwen3ForCausalLM
 from pcg_engine.models.safetensors_reader import DTYPES, read_header, read_into
@@ -36,10 +37,10 @@ def load_config(path: Path) -> ModelConfig:
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: invalid index ({e!r})") from None
+        # One object, no key given twice (models/json_file.py): a tensor mapped to two shards is refused.
+        weight_map = read_json_object(index).get("weight_map")
+        if weight_map is None:
+            raise CheckpointError(f"{index}: invalid index (no 'weight_map')")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map must map tensor names to file names, got "
                                   f"{json.dumps(weight_map)[:80]}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pcg_engine.errors import CheckpointError
+from pcg_engine.models.json_file import read_json_object
 
 SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _REQUIRED = object()
@@ -242,11 +243,7 @@ def read_config(path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing (a Hugging Face checkpoint needs config.json)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
-    return parse_config(raw, str(cfg_file))
+    return parse_config(read_json_object(cfg_file), str(cfg_file))   # one object, no key given twice
 
 
 __all__ = ["ModelConfig", "SUPPORTED", "parse_config", "read_config"]

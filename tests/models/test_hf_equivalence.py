@@ -260,7 +260,34 @@ def test_missing_config(ckpt_copy):
 def test_invalid_json(ckpt_copy):
     (ckpt_copy / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"],')
     msg = load_error(ckpt_copy)
-    assert str(ckpt_copy / "config.json") in msg and "invalid JSON" in msg
+    assert str(ckpt_copy / "config.json") in msg and "not valid JSON" in msg
+
+
+@pytest.mark.parametrize("name, text, key", [
+    ("config.json", '"vocab_size": 7, "vocab_size": 1024', "vocab_size"),
+    ("config.json", '"rope_scaling": {"rope_type": "default", "rope_type": "yarn"}', "rope_type"),
+    ("model.safetensors.index.json", '"weight_map": {"%s": "model.safetensors", "%s": "other.safetensors"}' % (K, K),
+     K),
+    ("generation_config.json", '"eos_token_id": 2, "eos_token_id": 5', "eos_token_id"),
+])
+def test_a_key_given_twice_is_refused(ckpt_copy, name, text, key):
+    """Found by probing: json keeps the last value of a repeated key, so config.json's second
+    vocab_size, the index's second shard for a tensor or generation_config.json's second EOS won
+    without a word (models/json_file.py)."""
+    from pcg_engine.engine.tokenizer import eos_token_ids
+    file = ckpt_copy / name
+    if name == "model.safetensors.index.json":
+        file.write_text("{" + text + "}")
+    else:
+        original = file.read_text().strip()
+        assert original.startswith("{")
+        file.write_text("{" + text + ", " + original[1:])     # the rest of the file as it was
+    with pytest.raises(CheckpointError) as info:
+        if name == "generation_config.json":
+            eos_token_ids(ckpt_copy, vocab_size=1024)          # what the engine reads it with, at start-up
+        else:
+            load_model(ckpt_copy, device="cpu", dtype=torch.float32)
+    assert str(file) in str(info.value) and f"key {key!r} is given twice in one object" in str(info.value)
 
 
 def test_unsupported_architecture(ckpt_copy):
@@ -507,9 +534,15 @@ def test_bad_generation_config_eos_is_refused(ckpt_copy, value, expected):
             eos_token_ids(ckpt_copy)
 
 
-def test_engine_refuses_a_generation_config_eos_beyond_the_vocabulary(ckpt_copy):
-    """The engine reads generation_config.json at start-up with its model's vocab_size."""
+def test_engine_refuses_a_generation_config_eos_beyond_the_vocabulary(ckpt_copy, monkeypatch):
+    """The engine reads generation_config.json at start-up with its model's vocab_size, before the
+    weights load (on a GPU the load, compile and capture took a minute before the error)."""
+    from pcg_engine.engine import model_runner
     from pcg_engine.llm import LLM
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before generation_config.json was checked")
+    monkeypatch.setattr(model_runner, "load_model", no_load)
     file = ckpt_copy / "generation_config.json"
     file.write_text(json.dumps({"eos_token_id": ["x", 99999]}))
     with pytest.raises(CheckpointError) as info:

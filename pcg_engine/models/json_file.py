@@ -1,0 +1,50 @@
+"""Reading a checkpoint's small JSON files (config.json, the shard index, generation_config.json):
+one JSON object, no key given twice at any depth, or a CheckpointError naming the file.
+
+json.loads keeps the last value of a repeated key, so a config.json giving "vocab_size" twice, or an
+index mapping one tensor to two shards, would load one of the values without a word about the
+other; which one the author meant cannot be told. (The shards' own headers get the same check in
+safetensors_reader.py. The tokenizer's files are read with refuse_repeats=False: tokenizer.json
+runs to megabytes, which the Python-level check would slow on every start, and transformers'
+loader reads them anyway.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pcg_engine.errors import CheckpointError
+
+
+class _RepeatedKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_repeats(pairs: list) -> dict:
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _RepeatedKey(key)
+        obj[key] = value
+    return obj
+
+
+def read_json_object(file: Path, refuse_repeats: bool = True) -> dict:
+    """The file's JSON object; a file that cannot be read, is not JSON, is not an object or (with
+    refuse_repeats) gives a key twice in one object is a CheckpointError naming it."""
+    try:
+        text = Path(file).read_text()
+        data = json.loads(text, object_pairs_hook=_refuse_repeats if refuse_repeats else None)
+    except OSError as e:
+        raise CheckpointError(f"{file}: unreadable ({e})") from None
+    except _RepeatedKey as e:
+        raise CheckpointError(f"{file}: key {e.key!r} is given twice in one object; which value is meant "
+                              "cannot be told") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
