@@ -140,7 +140,8 @@ def _generation_eos_ids(file: Path, value, vocab_size: int | None) -> list[int]:
 def eos_token_ids(path: Path, tokenizer=None, vocab_size: int | None = None) -> set[int]:
     """EOS ids from generation_config.json (int or list) and the tokenizer. `tokenizer` may be a
     loaded tokenizer, a LazyTokenizer (loaded only if its files do not give the id) or None.
-    vocab_size, where known (the engine's model), bounds generation_config.json's ids."""
+    vocab_size, where known (the engine's model), bounds generation_config.json's ids and the
+    tokenizer's."""
     ids: set[int] = set()
     file = Path(path) / "generation_config.json"
     config = _read_json(file, refuse_repeats=True)
@@ -153,5 +154,10 @@ def eos_token_ids(path: Path, tokenizer=None, vocab_size: int | None = None) -> 
         loaded = tokenizer.get() if isinstance(tokenizer, LazyTokenizer) else tokenizer
         eos = getattr(loaded, "eos_token_id", None)
     if eos is not None:
+        if vocab_size is not None and not 0 <= eos < vocab_size:
+            # The tokenizer's EOS beyond the model's logits is never sampled: requests would run to
+            # max_tokens. The tokenizer and config.json are not of the same model.
+            raise CheckpointError(f"{path}: the tokenizer's eos token has id {eos}, outside the model's vocabulary; "
+                                  f"allowed: 0..{vocab_size - 1} (config.json's vocab_size)")
         ids.add(eos)
     return ids

@@ -128,3 +128,17 @@ def test_checkpoint_without_a_tokenizer(dense_path, tmp_path):
     with_tok = make_llm(dense_path).generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0,
                                                                           ignore_eos=True))[0]
     assert out.token_ids == with_tok.token_ids
+
+
+def test_tokenizer_eos_outside_the_model_vocabulary_is_refused(tok_copy):
+    """Found by probing: a tokenizer whose EOS id lies beyond config.json's vocab_size was taken, and
+    that token can never be sampled, so every request ran to max_tokens."""
+    want = load_tokenizer(tok_copy).eos_token_id
+    assert want < 1024 and want in eos_token_ids(tok_copy, LazyTokenizer(tok_copy), vocab_size=1024)   # in range: taken
+    text = json.loads((tok_copy / "tokenizer_config.json").read_text())["eos_token"]
+    _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(
+        added_tokens_decoder={"5000": {"content": text, "special": True}}))
+    with pytest.raises(CheckpointError) as info:
+        eos_token_ids(tok_copy, LazyTokenizer(tok_copy), vocab_size=1024)
+    assert str(info.value) == (f"{tok_copy}: the tokenizer's eos token has id 5000, outside the model's vocabulary; "
+                               "allowed: 0..1023 (config.json's vocab_size)")
