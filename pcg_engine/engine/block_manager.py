@@ -194,9 +194,15 @@ class BlockManager:
         if total > self.num_free_blocks:
             raise RuntimeError("grow: not enough free blocks")
         tables, plain = self._tables, self._free_plain
-        if total <= len(plain) and counts.count(1) == len(counts):
-            # One block each from the plain free list (the decode step's case): nothing to evict.
-            new = [plain.popleft() for _ in range(total)]
+        if counts.count(1) == len(counts):
+            # One block each (the decode step's case): the plain free list first, then the least
+            # recently freed cached blocks, in one pass each, as _pop_free would hand them out. At
+            # batch 256 with every free block cached, 256 evictions through _pop_free took 309 us
+            # on the dev VM against 90-99 us in bulk (the per-call and per-request loop overhead).
+            from_plain = min(total, len(plain))
+            new = [plain.popleft() for _ in range(from_plain)]
+            if from_plain < total:
+                new += self._evict(total - from_plain)
             blocks = self.blocks
             for rid, block_id in zip(request_ids, new):
                 tables[rid].append(block_id)
@@ -218,15 +224,22 @@ class BlockManager:
         block.ref_count += 1
 
     def _pop_free(self) -> int:
-        if self._free_plain:
-            block_id = self._free_plain.popleft()
-        else:
-            block_id, _ = self._free_cached.popitem(last=False)   # evict the least recently freed
-            block = self.blocks[block_id]
-            del self._hash_to_block[block.hash]
-            block.forget()
+        block_id = self._free_plain.popleft() if self._free_plain else self._evict(1)[0]
         self.blocks[block_id].ref_count = 1
         return block_id
+
+    def _evict(self, k: int) -> list[int]:
+        """k cached free blocks, least recently freed first, out of the prefix cache (ref counts
+        are the caller's to set)."""
+        pop, blocks, hash_to_block = self._free_cached.popitem, self.blocks, self._hash_to_block
+        out = []
+        for _ in range(k):
+            block_id = pop(False)[0]
+            block = blocks[block_id]
+            del hash_to_block[block.hash]
+            block.forget()
+            out.append(block_id)
+        return out
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Published ones stay in the cache. Idempotent."""

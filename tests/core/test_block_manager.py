@@ -95,6 +95,37 @@ def test_grow_takes_the_blocks_allocate_would(seed):
     b.check_invariants()
 
 
+def test_grow_one_block_each_takes_plain_blocks_then_evicts_the_least_recently_freed():
+    """The decode step's grow when the plain free list runs out part-way: its first requests get
+    plain blocks, the rest evict cached ones oldest first, exactly as one allocate per request."""
+    managers = [BlockManager(16, BS), BlockManager(16, BS)]
+    reqs = []
+    for bm in managers:
+        for name, tokens in (("old", list(range(100, 100 + 4 * BS))), ("new", list(range(200, 200 + 3 * BS)))):
+            filler = req(name, tokens)           # freed first: its blocks are the least recently freed
+            assert bm.allocate(filler, filler.num_tokens)
+            filler.num_computed_tokens = filler.num_tokens
+            bm.cache_full_blocks(filler)
+            bm.free(filler)
+        rs = [req(f"r{i}", [i + 1] * BS) for i in range(6)]
+        for r in rs:                             # one full block each, from the plain list
+            assert bm.allocate(r, r.num_tokens)
+            r.num_computed_tokens = r.num_tokens
+        reqs.append(rs)
+    a, b = managers
+    assert len(a._free_plain) == 2 and len(a._free_cached) == 7
+    old_hashes = [a.blocks[x].hash for x in list(a._free_cached)[:4]]
+    for r in reqs[0]:
+        assert a.allocate(r, BS)
+    new = b.grow([r.request_id for r in reqs[1]], [1] * 6)
+    assert a._tables == b._tables and list(a._free_plain) == list(b._free_plain) == []
+    assert list(a._free_cached) == list(b._free_cached) and a._hash_to_block == b._hash_to_block
+    assert new == [a.block_table(r.request_id)[-1] for r in reqs[0]]
+    assert all(h not in b._hash_to_block for h in old_hashes)       # the oldest four were evicted
+    assert all(b.blocks[x].hash is None and b.blocks[x].ref_count == 1 for x in new)
+    b.check_invariants()
+
+
 def test_full_hit_except_last_token():
     bm = BlockManager(20, BS)
     prompt = list(range(100, 109))                     # 9 tokens: 2 full blocks + 1
