@@ -529,3 +529,14 @@ def test_goodput_refuses_nan_and_repeats(items, expected):
     with pytest.raises(SystemExit, match=expected):
         parse_slos(items)
     assert parse_slos(["ttft:200", "tpot:20"]) == {"ttft": 200.0, "tpot": 20.0}
+
+
+def test_block_manager_bench_runs_both_trees(capsys):
+    """scripts/bench_block_manager.py: grow (evicting) and publish at P4's shape, this tree alternated
+    with a base commit's block manager; each set-up does the work it says (one block per row)."""
+    bench = runpy.run_path(str(REPO / "scripts" / "bench_block_manager.py"))
+    grow = bench["grow_case"](bench["this_tree"], 8)
+    assert len(grow()) == 8
+    bench["main"](["--rows", "8", "--reps", "2", "--base-ref", "HEAD"])
+    out = capsys.readouterr().out
+    assert out.count("grow, evicting") == 2 and out.count("publish") == 2 and "HEAD" in out
