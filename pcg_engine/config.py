@@ -147,6 +147,19 @@ class EngineConfig:
             raise ConfigError("device", f"got {self.device!r}; allowed: cuda:0..cuda:{torch.cuda.device_count() - 1}")
         return self.device
 
+    def check_triton_usable(self, device_type: str) -> None:
+        """Triton launches need a GPU, or its CPU interpreter (TRITON_INTERPRET=1, read when triton
+        is imported; the tests set it). Without either, the first launch failed deep in Triton with
+        "0 active drivers", after the weights were loaded."""
+        if device_type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return
+        if self.attention_backend == "triton":
+            raise ConfigError("attention_backend", f"'triton' needs a CUDA device (or Triton's CPU interpreter, "
+                                                   f"TRITON_INTERPRET=1); on {device_type} allowed: auto, torch")
+        if self.kernels:
+            raise ConfigError("kernels", f"True runs Triton kernels, which need a CUDA device (or Triton's CPU "
+                                         f"interpreter, TRITON_INTERPRET=1); on {device_type} allowed: None, False")
+
     def resolved_mode(self, device_type: str) -> str:
         if self.mode == "auto":
             return "full_and_piecewise" if device_type == "cuda" else "eager"

@@ -50,6 +50,7 @@ class ModelRunner:
         self.device = device
         self.timings: dict[str, float] = {}
         _check_max_model_len(config, model_path)   # before the weights: config.json alone decides
+        config.check_triton_usable(device.type)
         self.dtype = config.torch_dtype(device.type)
         t0 = time.perf_counter()
         if device.type == "cuda":    # the CUDA context: seconds on a first use, not weight loading
@@ -77,9 +78,10 @@ class ModelRunner:
         self.backend = make_backend(backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                     head_dim=self.head_dim, block_size=self.block_size, cos_sin=self.cos_sin)
         if self.mode in ("full_decode", "full_and_piecewise") and not self.backend.cuda_graph_safe:
-            raise ValueError(f"mode: {self.mode!r} replays whole-step CUDA graphs and needs a graph-safe attention "
-                             f"backend; {self.backend.name!r} is not (use attention_backend='triton' or mode "
-                             "'piecewise')")
+            raise ConfigError("mode", f"{self.mode!r} replays whole-step CUDA graphs and needs a graph-safe "
+                                      f"attention backend; {self.backend.name!r} is not; allowed with it: eager, "
+                                      f"compile, piecewise (or attention_backend='triton'"
+                                      + (", which on the CPU needs TRITON_INTERPRET=1)" if device.type != "cuda" else ")"))
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.max_num_tokens,
                                 device, host_metadata=self.backend.name != "triton")   # torch_backend.py reads them
