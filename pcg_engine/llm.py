@@ -44,6 +44,10 @@ class LLM:
             raise InvalidRequestError("prompts", "must be a string, a list of token ids, or a list of those; "
                                                  f"got {type(prompts).__name__}")
         params = self._params_list(sampling_params, len(prompts))
+        if on_output is not None and not callable(on_output):
+            # Before any request is queued: called only once a step has run, it raised a bare TypeError.
+            raise InvalidRequestError("on_output", f"must be a callable taking a RequestOutput, or None; "
+                                      f"got {type(on_output).__name__}")
         ids = []
         finals: dict[str, RequestOutput] = {}
         others: list[RequestOutput] = []

@@ -132,7 +132,11 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}"
             while request_id in self.requests:      # a caller's own id took it
                 request_id = f"req-{next(self._ids)}"
-        request_id = str(request_id)
+        elif not isinstance(request_id, str) or not request_id:
+            # Not str()'d: outputs carry the id as a string, so a caller matching them against its
+            # int 5 (or an object) would never find its request's output.
+            raise InvalidRequestError("request_id", f"must be a non-empty string, or None for an automatic id; "
+                                      f"got {request_id!r}")
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use by an unfinished request")
         if params.stop and not self.lazy_tokenizer.available:

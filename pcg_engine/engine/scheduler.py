@@ -155,8 +155,11 @@ class Scheduler:
         total = request.max_total_tokens(cfg.max_model_len)
         if not self.fits_in_cache(total):
             most = self.block_manager.num_total_blocks * self.block_manager.block_size
-            raise InvalidRequestError("max_tokens", f"prompt + max_tokens = {total} tokens; the KV cache "
-                                      f"holds at most {most}")
+            if n >= most:     # the prompt alone: no max_tokens would fit
+                raise InvalidRequestError("prompt_token_ids", f"prompt has {n} tokens; the KV cache holds at most "
+                                          f"{most}; allowed: at most {most - 1} prompt tokens")
+            raise InvalidRequestError("max_tokens", f"prompt + max_tokens = {total} tokens; the KV cache holds at "
+                                      f"most {most}; max_tokens allowed: 1..{most - n}")
 
     # Planning ------------------------------------------------------------------------------------
 

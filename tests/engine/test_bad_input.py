@@ -88,10 +88,16 @@ CASES = [
      r"unknown sampling parameter; allowed: .*temperature"),
     ("params-wrong-type", lambda e: e.add_request(_prompt(), "greedy"), "sampling_params", r"SamplingParams or dict"),
     ("larger-than-kv-cache", lambda e: e.add_request(_prompt(10), {"max_tokens": 600}), "max_tokens",
-     rf"KV cache holds at most {(NUM_KV_BLOCKS - 1) * 16}"),
+     rf"KV cache holds at most {(NUM_KV_BLOCKS - 1) * 16}; max_tokens allowed: 1\.\.{(NUM_KV_BLOCKS - 1) * 16 - 10}"),
+    ("prompt-larger-than-kv-cache", lambda e: e.add_request(_prompt((NUM_KV_BLOCKS - 1) * 16), {"max_tokens": 1}),
+     "prompt_token_ids", rf"KV cache holds at most {(NUM_KV_BLOCKS - 1) * 16}; allowed: at most "
+     rf"{(NUM_KV_BLOCKS - 1) * 16 - 1} prompt tokens"),
     ("abort-unknown-id", lambda e: e.abort_request("no-such-request"), "request_id", r"not an unfinished request"),
     ("duplicate-request-id", lambda e: e.add_request(_prompt(), None, request_id="good-1"), "request_id",
      r"already in use"),
+    ("request-id-empty", lambda e: e.add_request(_prompt(), None, request_id=""), "request_id",
+     r"non-empty string, or None"),
+    ("request-id-int", lambda e: e.add_request(_prompt(), None, request_id=5), "request_id", r"non-empty string"),
     ("token-id-text", lambda e: e.add_request([5, "6"], None), "prompt_token_ids", r"position 1 is not an integer"),
     ("token-id-nested", lambda e: e.add_request([[5, 6]], None), "prompt_token_ids", r"position 0 is not an integer"),
     ("prompt-and-ids", lambda e: e.add_request("hi", None, prompt_token_ids=[5, 6]), "prompt", r"not both"),
@@ -330,3 +336,12 @@ def test_numpy_ids_and_numbers_are_taken_as_plain_ones(llm):
     with pytest.raises(InvalidRequestError, match="prompt_token_ids: token 5.0 at position 0 is not an integer"):
         engine.add_request(np.array([5.0, 6.0]), None)
     assert_drained(engine)
+
+
+def test_generate_refuses_an_on_output_that_is_not_callable_before_running(llm):
+    """Before: a bare TypeError from the first step's callback, after the prompt was queued and run."""
+    steps = llm.engine.stats.steps
+    with pytest.raises(InvalidRequestError, match="on_output: must be a callable") as info:
+        llm.generate([_prompt()], SamplingParams(max_tokens=2), on_output="print")
+    assert info.value.field == "on_output" and llm.engine.stats.steps == steps
+    assert_drained(llm.engine)
