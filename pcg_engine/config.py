@@ -128,6 +128,13 @@ class EngineConfig:
             check(name, value is None or (isinstance(value, (list, tuple)) and len(value) > 0
                                           and all(is_int(b) and b >= 1 for b in value)),
                   "None or a non-empty list of ints >= 1")
+        # A bucket no step can reach would be dropped without a word (a step holds at most
+        # max(max_num_batched_tokens, max_num_seqs) tokens, a decode batch max_num_seqs requests).
+        for name, limit, by in (("cudagraph_buckets", max(self.max_num_batched_tokens, self.max_num_seqs),
+                                 "max(max_num_batched_tokens, max_num_seqs)"),
+                                ("decode_buckets", self.max_num_seqs, "max_num_seqs")):
+            beyond = [b for b in getattr(self, name) or () if b > limit]
+            check(name, not beyond, f"buckets in 1..{limit} ({by}); {beyond} can never be used")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

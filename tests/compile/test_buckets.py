@@ -9,6 +9,7 @@ import pytest
 from pcg_engine.compile.full_graph import default_decode_buckets
 from pcg_engine.compile.setup import token_buckets_for
 from pcg_engine.config import EngineConfig, default_buckets, sparse_buckets
+from pcg_engine.errors import ConfigError
 
 
 def runner(mode, **config):
@@ -42,6 +43,17 @@ def test_full_and_piecewise_defaults_to_sparse_buckets():
 
 @pytest.mark.parametrize("mode,lowest", [("piecewise", 1), ("full_and_piecewise", 2)])
 def test_explicit_buckets_and_limits(mode, lowest):
-    assert token_buckets_for(runner(mode, cudagraph_buckets=[1, 3, 100, 5000])) == sorted({lowest, 3, 100})
+    assert token_buckets_for(runner(mode, cudagraph_buckets=[1, 3, 100, 2048])) == sorted({lowest, 3, 100, 2048})
     small = runner(mode, max_capture_tokens=48)
     assert token_buckets_for(small)[-1] == 48
+
+
+@pytest.mark.parametrize("field, value, limit", [
+    ("cudagraph_buckets", [8, 5000], "1..2048 (max(max_num_batched_tokens, max_num_seqs)); [5000]"),
+    ("decode_buckets", [1, 300], "1..256 (max_num_seqs); [300]"),
+])
+def test_buckets_no_step_can_reach_are_refused(field, value, limit):
+    """Before: dropped without a word (token_buckets_for, FullDecodeGraphs), so [5000] captured nothing."""
+    with pytest.raises(ConfigError, match=f"{field}: got ") as e:
+        EngineConfig(**{field: value})
+    assert e.value.field == field and limit in str(e.value)
