@@ -17,6 +17,7 @@ dummy steps that compile every Triton variant the steps can select, so none comp
 """
 
 import contextlib
+import math
 import time
 
 import torch
@@ -108,7 +109,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.num_kv_blocks = self._num_kv_blocks()
         shape = kv_cache_shape(self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        try:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        except RuntimeError as e:      # torch.OutOfMemoryError, or the CPU allocator's enforce failure
+            self.kv_caches = None
+            field = ("num_kv_blocks" if self.config.num_kv_blocks is not None else
+                     "cpu_kv_blocks" if self.device.type != "cuda" else "gpu_memory_utilization")
+            per_block = shape[0] * math.prod(shape[2:]) * self.dtype.itemsize * self.num_layers   # K and V, every layer
+            raise ConfigError(field, f"{self.num_kv_blocks} KV blocks of {per_block} bytes each "
+                                     f"({self.num_kv_blocks * per_block / 2**30:.1f} GiB) cannot be allocated on "
+                                     f"{self.device}; allowed: as many as its free memory holds "
+                                     f"({str(e).splitlines()[0]})") from None
         self.timings["kv_cache_s"] = time.perf_counter() - t0    # sizing forward (CUDA) + allocation
         # Each attention module holds its layer's cache (a buffer: a graph input to the compiled
         # pieces, at this fixed address for the runner's life). Bound before any trace.

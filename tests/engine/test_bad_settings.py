@@ -27,3 +27,13 @@ def test_full_graph_mode_with_the_torch_backend_names_the_mode(tiny_paths, mode)
                                           "eager, compile, piecewise") as e:
         make_llm(tiny_paths["tiny-qwen3"], mode=mode, attention_backend="torch")
     assert e.value.field == "mode"
+
+
+@pytest.mark.parametrize("setting, field", [(dict(num_kv_blocks=2**40), "num_kv_blocks"),
+                                            (dict(cpu_kv_blocks=2**40), "cpu_kv_blocks")])
+def test_a_kv_cache_larger_than_memory_names_the_field(tiny_paths, setting, field):
+    """Before: the allocator's bare RuntimeError ('DefaultCPUAllocator: can't allocate memory')."""
+    with pytest.raises(ConfigError, match=f"{field}: {2**40} KV blocks of 32768 bytes each .* cannot be allocated "
+                                          "on cpu; allowed: as many as its free memory holds") as e:
+        make_llm(tiny_paths["tiny-qwen3"], **setting)
+    assert e.value.field == field
