@@ -287,6 +287,30 @@ def json_path(value: str) -> str:
     return value
 
 
+def directory_path(value: str) -> str:
+    """argparse type of an output directory (--out-dir, --profile-dir): refused before the benchmark
+    runs when it is a file or sits under one (a FileExistsError traceback from makedirs, before)."""
+    path = Path(value)
+    blocker = next((q for q in (path, *path.parents) if q.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r}: {blocker} is a file, not a directory")
+    return value
+
+
+def int_list_at_least(low: int):
+    """An argparse type: comma-separated integers >= low ('16,64,256'), refused at parse time naming
+    the bad item (a ValueError traceback from int(), or a size of 0 taken, before)."""
+    item = int_at_least(low)
+
+    def parse(text: str) -> list[int]:
+        values = [s.strip() for s in text.split(",") if s.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"give comma-separated integers >= {low}, got {text!r}")
+        return [item(s) for s in values]
+    parse.__name__ = f"comma-separated integers >= {low}"
+    return parse
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if not path:
         return

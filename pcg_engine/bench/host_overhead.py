@@ -103,7 +103,7 @@ def _write_profile(profiler, path: str, title: str) -> None:
 
 
 def run_host_only(args, console) -> dict:
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     biggest = max(sizes)
     kw = common.engine_kwargs(args)
     kw.update(mode="eager", max_num_seqs=biggest, async_scheduling=args.host_async)

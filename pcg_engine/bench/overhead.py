@@ -146,7 +146,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-compile", action="store_true", help="on CPU, also run the piecewise configs ungraphed")
     h = p.add_argument_group("host only (P4)")
     h.add_argument("--host-only", action="store_true", help="time host work per step without the model")
-    h.add_argument("--batch-sizes", default="16,64,256", help="running decode requests to time")
+    h.add_argument("--batch-sizes", type=common.int_list_at_least(1), default=[16, 64, 256],
+                   help="running decode requests to time, comma-separated")
     h.add_argument("--host-steps", type=common.int_at_least(1), default=50, help="timed decode steps per size")
     h.add_argument("--warm-steps", type=common.int_at_least(0), default=5)
     h.add_argument("--host-async", action="store_true", help="async scheduling in the host-only run")

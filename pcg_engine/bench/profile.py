@@ -106,7 +106,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=common.int_at_least(1), default=5, help="decode steps profiled")
     p.add_argument("--warm-steps", type=common.int_at_least(0), default=3, help="decode steps run before profiling")
     p.add_argument("--timeline-steps", type=common.int_at_least(1), default=3, help="steps shown in the PNG")
-    p.add_argument("--out-dir", default="profile_out")
+    p.add_argument("--out-dir", default="profile_out", type=common.directory_path)
     p.add_argument("--kernel-table", action="store_true", help="print each config's device time by kernel name")
     return p
 

@@ -33,7 +33,9 @@ import sys
 import tempfile
 import time
 
-from pcg_engine.bench.common import env_record, int_at_least, json_path, print_table, resolve_model, write_json
+from pcg_engine.bench.common import (directory_path, env_record, int_at_least, json_path, print_table, resolve_model,
+                                     write_json)
+from pcg_engine.config import MODES
 
 _CHILD = """
 import json, os, sys, time
@@ -116,11 +118,12 @@ def _warm_ab(model: str, config: dict, root: str, prof, var: str, values: list[s
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pcg bench startup", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-qwen3")
-    p.add_argument("--mode", default="auto")
+    # Checked here: a typo failed in the child process, whose ConfigError traceback was printed.
+    p.add_argument("--mode", default="auto", choices=MODES + ("auto",))
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int_at_least(1), default=256)
     p.add_argument("--json", default=None, type=json_path)
-    p.add_argument("--profile-dir", default=None, help="write a cProfile summary of each run (cold.txt, warm.txt) here")
+    p.add_argument("--profile-dir", default=None, type=directory_path, help="write a cProfile summary of each run (cold.txt, warm.txt) here")
     p.add_argument("--warm-ab", default=None, type=_ab_switch, metavar="VAR=A,B",
                    help="an A/B of warm starts: after the cold run, warm runs with the environment variable VAR "
                         "set to A, B, A, B, ... (--warm-repeats rounds) instead of the one plain warm run")

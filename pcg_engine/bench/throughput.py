@@ -120,10 +120,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(max_model_len=4096)
     p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,full_and_piecewise")
     p.add_argument("--num-prompts", type=common.int_at_least(1), default=256)
-    p.add_argument("--input-min", type=common.int_at_least(1), default=100)
-    p.add_argument("--input-max", type=common.int_at_least(1), default=1024)
-    p.add_argument("--output-min", type=common.int_at_least(1), default=100)
-    p.add_argument("--output-max", type=common.int_at_least(1), default=1024)
+    # Defaults filled in main(): None tells a flag the user gave from one left alone.
+    p.add_argument("--input-min", type=common.int_at_least(1), default=None, help="default 100")
+    p.add_argument("--input-max", type=common.int_at_least(1), default=None, help="default 1024")
+    p.add_argument("--output-min", type=common.int_at_least(1), default=None, help="default 100")
+    p.add_argument("--output-max", type=common.int_at_least(1), default=None, help="default 1024")
     p.add_argument("--input-len", type=common.int_at_least(1), default=None, help="instead of --input-min/max: len*(1±r)")
     p.add_argument("--output-len", type=common.int_at_least(1), default=None, help="instead of --output-min/max: len*(1±r)")
     p.add_argument("--range-ratio", type=common.fraction, default=0.0)
@@ -132,12 +133,26 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, with the length ranges checked and their defaults (P2's [100, 1024]) filled in."""
     args = make_parser().parse_args(argv)
     for kind in ("input", "output"):
+        given = [f"--{kind}-{end}" for end in ("min", "max") if getattr(args, f"{kind}_{end}") is not None]
+        if getattr(args, f"{kind}_len") is not None and given:
+            # --input-len / --output-len replace the range: the range flag was dropped without a word, before.
+            raise SystemExit(f"pcg bench throughput: --{kind}-len replaces --{kind}-min/--{kind}-max; "
+                             f"give one or the other, not --{kind}-len with {' and '.join(given)}")
+        for end, default in (("min", 100), ("max", 1024)):
+            if getattr(args, f"{kind}_{end}") is None:
+                setattr(args, f"{kind}_{end}", default)
         low, high = getattr(args, f"{kind}_min"), getattr(args, f"{kind}_max")
         if low > high:
             raise SystemExit(f"pcg bench throughput: --{kind}-min ({low}) must be <= --{kind}-max ({high})")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     model = common.resolve_model(args.model, args.seed)
     results = common.run_each_mode(args, model, run_mode, f"{args.num_prompts} requests")
     base = next(iter(results.values()))["output_throughput"]

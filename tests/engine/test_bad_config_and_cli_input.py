@@ -206,3 +206,37 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
     from pcg_engine import cli
     assert cli.main(["generate", "--device", "cpu", "--prompt", "hi", *flags]) == 2
     assert capsys.readouterr().err.strip() == expected
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # a ValueError traceback from int() (and a size of 0 taken), before
+    (["overhead", "--host-only", "--batch-sizes", "16,abc"], "--batch-sizes: must be an integer >= 1, got 'abc'"),
+    (["overhead", "--host-only", "--batch-sizes", "0"], "--batch-sizes: must be an integer >= 1, got 0"),
+    # a FileExistsError traceback from makedirs, before
+    (["profile", "--out-dir", "{afile}"], "--out-dir: '{afile}': {afile} is a file, not a directory"),
+    (["startup", "--profile-dir", "{afile}/x"], "--profile-dir: '{afile}/x': {afile} is a file, not a directory"),
+    # the child process's ConfigError traceback, before
+    (["startup", "--mode", "piecwise"], "--mode: invalid choice: 'piecwise'"),
+    # --input-min was dropped without a word, before
+    (["throughput", "--input-len", "5", "--input-min", "7"],
+     "error: pcg bench throughput: --input-len replaces --input-min/--input-max; give one or the other, "
+     "not --input-len with --input-min"),
+])
+def test_bench_flags_refused_before_running(tmp_path, capsys, argv, expected):
+    from pcg_engine import cli
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    argv = [a.format(afile=afile) for a in argv]
+    try:
+        code = cli.main(["bench", *argv, "--device", "cpu", "--model", "tiny-qwen3"])
+    except SystemExit as e:          # argparse's own refusal
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and expected.format(afile=afile) in err, err
+    assert "Traceback" not in err and "building the engine" not in err
+
+
+def test_generate_names_mode_for_a_full_graph_mode_on_the_torch_backend(capsys):
+    from pcg_engine import cli
+    assert cli.main(["generate", "--device", "cpu", "--prompt", "hi", "--mode", "full_decode"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --mode (mode): 'full_decode' replays whole-step")

@@ -242,7 +242,7 @@ def test_throughput(tmp_path):
 
 
 def test_throughput_p2_defaults():
-    args = throughput.make_parser().parse_args([])
+    args = throughput.parse_args([])
     assert (args.num_prompts, args.input_min, args.input_max, args.output_min, args.output_max, args.seed,
             args.max_model_len) == (256, 100, 1024, 100, 1024, 0, 4096)
 
