@@ -233,6 +233,9 @@ def parse_config(raw, where: str = "config.json") -> ModelConfig:
 def read_config(path) -> ModelConfig:
     """<checkpoint>/config.json -> ModelConfig; never runs checkpoint code."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path}: a file, not a checkpoint directory (the directory holding config.json, "
+                              "the safetensors shards and the tokenizer files)")
     if not path.is_dir():
         from pcg_engine.models.presets import PRESETS   # imported here: only this message needs it
         hint = ""

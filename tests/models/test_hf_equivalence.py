@@ -242,6 +242,15 @@ def test_missing_directory(tmp_path):
     assert str(missing) in msg and "does not exist" in msg
 
 
+def test_a_file_given_as_the_checkpoint_is_named_as_such(ckpt_copy):
+    """Found by probing: --model pointing at a file (its config.json, a shard) said "checkpoint
+    directory does not exist", of a path that exists."""
+    for name in ("config.json", "model.safetensors"):
+        assert load_error(ckpt_copy / name) == (f"{ckpt_copy / name}: a file, not a checkpoint directory (the "
+                                                "directory holding config.json, the safetensors shards and the "
+                                                "tokenizer files)")
+
+
 def test_missing_directory_named_like_a_preset(tmp_path, monkeypatch):
     """LLM("tiny-qwen3") is not a checkpoint (the CLI's --model takes preset names, LLM does not):
     the error says how to build one."""
