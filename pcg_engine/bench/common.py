@@ -92,6 +92,23 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
 
 
+def max_model_len_of(args: argparse.Namespace, model: str) -> int:
+    """The max_model_len an engine built from these flags and this checkpoint will have, known
+    before building it (config.json alone)."""
+    from pcg_engine.config import EngineConfig
+    from pcg_engine.models.model_config import read_config
+    return EngineConfig(**engine_kwargs(args)).resolved_max_model_len(read_config(model).max_position_embeddings)
+
+
+def refuse_too_long(args: argparse.Namespace, model: str, prompt_len: int, output_len: int, flags: str) -> None:
+    """Stop before any engine is built when the longest request the flags ask for cannot fit: the
+    engine would refuse each request under prompt_token_ids / max_tokens, naming no flag."""
+    limit = max_model_len_of(args, model)
+    if prompt_len + output_len > limit:
+        raise SystemExit(f"{flags}: the longest request is {prompt_len} prompt + {output_len} output tokens, "
+                         f"more than max_model_len {limit}; lower them or raise --max-model-len")
+
+
 def parse_modes(spec: str) -> list[tuple[str, dict]]:
     """'eager,piecewise+async,full_and_piecewise+sync+unfused' -> [(name, EngineConfig overrides)].
 

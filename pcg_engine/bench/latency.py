@@ -87,6 +87,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     model = common.resolve_model(args.model, args.seed)
+    common.refuse_too_long(args, model, args.input_len, args.output_len, "--input-len / --output-len")
     results = common.run_each_mode(args, model, run_mode, f"{args.warmup_iters} warm-up + {args.num_iters} iterations")
     base = next(iter(results.values()))
     common.print_table(f"latency: batch {args.batch_size}, {args.input_len} prompt tokens, {args.output_len} new",

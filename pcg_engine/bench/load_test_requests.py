@@ -63,11 +63,10 @@ def prepare(args, model: str, entries) -> list[tuple[list[int], int]] | None:
     """Check every request the run can send against the model (config.json, the tokenizer), before
     an engine is built. Returns the dataset's requests as (prompt ids, output length), tokenized
     here once for every mode; None for random prompts (drawn per engine: they need its tokenizer)."""
-    from pcg_engine.config import EngineConfig
     from pcg_engine.models.model_config import read_config
 
     config = read_config(model)
-    limit = EngineConfig(**common.engine_kwargs(args)).resolved_max_model_len(config.max_position_embeddings)
+    limit = common.max_model_len_of(args, model)
     if not entries:
         _, hi = common.length_bounds(args.input_len, args.range_ratio)
         _, ohi = common.length_bounds(args.output_len, args.range_ratio)

@@ -154,6 +154,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = common.resolve_model(args.model, args.seed)
+    longest = [common.length_bounds(fixed, args.range_ratio)[1] if fixed is not None else hi
+               for fixed, hi in ((args.input_len, args.input_max), (args.output_len, args.output_max))]
+    flags = ("--input-len" if args.input_len is not None else "--input-max") + " / " + \
+            ("--output-len" if args.output_len is not None else "--output-max")
+    common.refuse_too_long(args, model, *longest, flags + (" / --range-ratio" if args.range_ratio else ""))
     results = common.run_each_mode(args, model, run_mode, f"{args.num_prompts} requests")
     base = next(iter(results.values()))["output_throughput"]
     common.print_table(f"offline throughput: {args.num_prompts} requests", [

@@ -540,3 +540,20 @@ def test_block_manager_bench_runs_both_trees(capsys):
     bench["main"](["--rows", "8", "--reps", "2", "--base-ref", "HEAD"])
     out = capsys.readouterr().out
     assert out.count("grow, evicting") == 2 and out.count("publish") == 2 and "HEAD" in out
+
+
+@pytest.mark.parametrize("module, flags, named", [
+    (latency, ["--input-len", "30", "--output-len", "40"], "--input-len / --output-len: the longest request is 30 "
+     "prompt + 40 output tokens, more than max_model_len 64"),
+    (throughput, ["--input-len", "30", "--output-len", "40"], "--input-len / --output-len: the longest request"),
+    (throughput, ["--input-max", "50", "--input-min", "1", "--output-len", "20", "--range-ratio", "0.5"],
+     "--input-max / --output-len / --range-ratio: the longest request is 50 prompt + 30 output tokens"),
+])
+def test_benchmarks_refuse_requests_longer_than_max_model_len_before_building_an_engine(module, flags, named,
+                                                                                       monkeypatch):
+    """Found by probing: latency and throughput built the engine first, then each request was refused
+    under prompt_token_ids / max_tokens (or a message naming no flag)."""
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit) as e:
+        module.main(["--model", "tiny-qwen3", "--device", "cpu", "--max-model-len", "64", *flags])
+    assert named in str(e.value) and "raise --max-model-len" in str(e.value)
