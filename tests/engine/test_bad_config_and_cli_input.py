@@ -170,8 +170,10 @@ def test_cli_refusals_raised_as_system_exit_are_one_error_line(tmp_path, capsys)
 @pytest.mark.parametrize("flags, expected", [
     (["--max-num-seqs", "0"], "error: --max-num-seqs (max_num_seqs): got 0; allowed: 1..4096"),
     (["--max-num-seqs=0"], "error: --max-num-seqs (max_num_seqs): got 0"),
-    # the field the engine names is not a flag the user typed: as it is
-    (["--input-len", "250", "--output-len", "10", "--max-model-len", "256"], "error: max_tokens: prompt has 250"),
+    # refused before an engine is built, naming the flags (common.refuse_too_long)
+    (["--input-len", "250", "--output-len", "10", "--max-model-len", "256"],
+     "error: --input-len / --output-len: the longest request is 250 prompt + 10 output tokens, more than "
+     "max_model_len 256"),
 ])
 def test_bench_refused_setting_is_one_line(capsys, flags, expected):
     """pcg bench: a setting the engine refuses is one line and exit 2 (it was a traceback, exit 1)."""
