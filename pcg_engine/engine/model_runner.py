@@ -45,6 +45,25 @@ def _check_max_model_len(config: EngineConfig, model_path) -> None:
                                            "max_position_embeddings)")
 
 
+KV_HEADROOM = 512 * 2**20     # bytes left free beside the KV cache (allocator slack, small buffers)
+
+
+def kv_blocks_for(utilization: float, total: int, peak: int, used_by_others: int, per_block: int) -> int:
+    """KV blocks that fit in `utilization` of the device's `total` bytes beside the model's measured
+    peak, what other processes use and KV_HEADROOM. Fewer than 2 (one usable, one scratch) is a
+    ConfigError on gpu_memory_utilization naming the smallest fraction that gives two."""
+    blocks = int((total * utilization - peak - used_by_others - KV_HEADROOM) // per_block)
+    if blocks < 2:
+        needed = (peak + used_by_others + KV_HEADROOM + 2 * per_block) / total
+        allowed = (f"at least {needed:.3f} (up to 1.0)" if needed <= 1 else
+                   "none on this device: the model's peak and other processes leave no room; free the device "
+                   "or use a smaller max_num_batched_tokens")
+        raise ConfigError("gpu_memory_utilization", f"{utilization} of {total / 2**30:.1f} GiB leaves no room for "
+                                                    f"the KV cache (model peak {peak / 2**30:.1f} GiB, other "
+                                                    f"processes {used_by_others / 2**30:.1f} GiB); allowed: {allowed}")
+    return blocks
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path, device: torch.device, progress=None):
         self.config = config
@@ -168,13 +187,8 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.config.gpu_memory_utilization - peak - used_by_others - 512 * 2**20
         per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize * self.num_layers
-        blocks = int(budget // per_block)
-        if blocks < 2:
-            raise RuntimeError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for the KV "
-                               f"cache (model peak {peak / 2**30:.1f} GiB)")
-        return blocks
+        return kv_blocks_for(self.config.gpu_memory_utilization, total, peak, used_by_others, per_block)
 
     def _setup_mode(self, progress):
         mode = self.mode

@@ -37,3 +37,19 @@ def test_a_kv_cache_larger_than_memory_names_the_field(tiny_paths, setting, fiel
                                           "on cpu; allowed: as many as its free memory holds") as e:
         make_llm(tiny_paths["tiny-qwen3"], **setting)
     assert e.value.field == field
+
+
+def test_kv_sizing_that_leaves_no_room_names_gpu_memory_utilization():
+    """Found by probing: a gpu_memory_utilization too low for the model's peak was a bare
+    RuntimeError from the KV sizing (CUDA only; its arithmetic is tested here on plain numbers)."""
+    from pcg_engine.engine.model_runner import KV_HEADROOM, kv_blocks_for
+    gib, per_block = 2**30, 2**20
+    assert kv_blocks_for(0.5, 80 * gib, 10 * gib, 0, per_block) == (40 * gib - 10 * gib - KV_HEADROOM) // per_block
+    with pytest.raises(ConfigError) as info:
+        kv_blocks_for(0.1, 80 * gib, 10 * gib, 2 * gib, per_block)
+    needed = (10 * gib + 2 * gib + KV_HEADROOM + 2 * per_block) / (80 * gib)
+    assert info.value.field == "gpu_memory_utilization"
+    assert (f"0.1 of 80.0 GiB leaves no room for the KV cache (model peak 10.0 GiB, other processes 2.0 GiB); "
+            f"allowed: at least {needed:.3f} (up to 1.0)") in str(info.value)
+    with pytest.raises(ConfigError, match="allowed: none on this device"):
+        kv_blocks_for(0.9, 80 * gib, 79 * gib, 2 * gib, per_block)
