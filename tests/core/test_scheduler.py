@@ -164,8 +164,13 @@ def test_request_preempts_itself_when_it_is_the_newest():
     out = step(s)                                      # cannot come back: 9 tokens need 3 blocks
     assert out.is_empty and list(s.waiting) == [a]
     assert s.max_blocks_for(a) > s.block_manager.num_total_blocks
-    with pytest.raises(InvalidRequestError, match="max_tokens"):
+    # A prompt that alone fills the cache leaves room for no output token: named as the prompt.
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids: prompt has 8 tokens; the KV cache holds at "
+                                                  "most 8; allowed: at most 7 prompt tokens"):
         s.check_request(req("x", list(range(8)), max_tokens=1))
+    with pytest.raises(InvalidRequestError, match=r"max_tokens: prompt \+ max_tokens = 12 tokens; the KV cache "
+                                                  r"holds at most 8; max_tokens allowed: 1\.\.1"):
+        s.check_request(req("y", list(range(7)), max_tokens=5))
 
 
 def test_no_admission_in_a_step_that_preempted():
