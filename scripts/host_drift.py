@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from pcg_engine.bench import common, latency, proc_stats
+from pcg_engine.bench import common, cpu_probe, latency, proc_stats
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -124,21 +124,24 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     pool = common.token_pool(llm)
     params = common.bench_params(args.tokens)
-    threads, children, signals = thread_cpu(), child_cpu(), host_signals()
     windows = []
     for w in range(args.windows):
+        # The host's speed on fixed work just before the window (bench/cpu_probe.py), outside the
+        # window's own CPU and OS figures, which start after it.
+        probe = cpu_probe.probe(repeats=3)
+        threads, children, signals = thread_cpu(), child_cpu(), host_signals()
         start = time.monotonic() - ready
         row = latency.one_iteration(llm, common.random_prompts(rng, pool, [args.input_len]), params)[0]
         now_threads, now_children = thread_cpu(), child_cpu()
         clocks, now_signals = gpu_clocks(), host_signals()
         host = {**proc_stats.delta(signals, now_signals),
                 "steal_s": round(now_signals["steal_s"] - signals["steal_s"], 2)}
-        signals = now_signals
         windows.append({"window": w, "since_ready_s": round(start, 2), "tpot_ms": round(row["tpot_ms"], 4),
+                        "cpu_probe_python_us": round(probe["python_median_us"]),
                         "thread_cpu_s": _delta(now_threads, threads), "child_cpu_s": _delta(now_children, children),
                         "gpu_clocks": clocks, "host": host})
-        threads, children = now_threads, now_children
-        print(f"window {w:2d} +{start:6.2f} s  TPOT {row['tpot_ms']:.3f} ms  threads {windows[-1]['thread_cpu_s']}  "
+        print(f"window {w:2d} +{start:6.2f} s  TPOT {row['tpot_ms']:.3f} ms  probe {probe['python_median_us']:.0f} us  "
+              f"threads {windows[-1]['thread_cpu_s']}  "
               f"children {windows[-1]['child_cpu_s']}  host {host}" + (f"  SM/mem MHz {clocks['sm_mhz']}/{clocks['mem_mhz']}"
                                                           if clocks else ""), flush=True)
     payload = {"model": args.model, "mode": args.mode, "start_s": round(ready - t0, 2),

@@ -52,8 +52,14 @@ def run_mode(llm, args) -> dict:
     rows = []
     probe_before = cpu_probe.probe()
     before = proc_stats.snapshot()
-    for _ in range(args.num_iters):
-        rows += one_iteration(llm, common.random_prompts(rng, pool, [args.input_len] * args.batch_size), params)
+    for i in range(args.num_iters):
+        # Each iteration's rows carry the probe taken just before it: the host's speed can change
+        # between iterations of one process (bench/cpu_probe.py).
+        probe = probe_before if i == 0 else cpu_probe.probe(repeats=3)
+        batch = one_iteration(llm, common.random_prompts(rng, pool, [args.input_len] * args.batch_size), params)
+        for row in batch:
+            row["cpu_probe_python_us"] = probe["python_median_us"]
+        rows += batch
     proc = proc_stats.delta(before, proc_stats.snapshot())
     probe_after = cpu_probe.probe()
     stats = llm.engine.stats

@@ -255,6 +255,8 @@ def test_latency(tmp_path):
     assert data["output_lens"] == [5] and len(data["iterations"]) == 2
     for it in data["iterations"]:
         assert 0 < it["ttft_ms"] <= it["e2el_ms"] and it["tpot_ms"] > 0
+        assert it["cpu_probe_python_us"] > 0           # the probe taken just before the iteration
+    assert data["iterations"][0]["cpu_probe_python_us"] == data["cpu_probe"]["before"]["python_median_us"]
     if sys.platform == "linux":        # what the OS did during the timed iterations (bench/proc_stats.py)
         proc = data["proc"]
         assert proc["minflt"] >= 0 and proc["voluntary_switches"] >= 0 and proc["rss_kb"] > 0
@@ -488,6 +490,7 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
     data = read(out)
     assert [w["window"] for w in data["windows"]] == [0, 1]
     assert all(w["tpot_ms"] > 0 for w in data["windows"]) and data["threads_at_ready"]
+    assert all(w["cpu_probe_python_us"] > 0 for w in data["windows"])    # the host's speed before each window
     host = data["windows"][1]["host"]
     assert 0 <= host["cpu"] < os.cpu_count() and host["involuntary_switches"] >= 0 and host["steal_s"] >= 0
     assert host["minflt"] >= 0 and host["rss_kb"] > 0 and "anon_huge_kb" in host
