@@ -292,15 +292,21 @@ def print_table(title: str, headers: list[str], rows: list[list], console=None) 
     console.print(table)
 
 
+def _refuse_a_file_on_the_way(value: str, paths) -> None:
+    """The first of `paths` (a path and/or its parents, innermost first) that exists must be a
+    directory, or nothing could be written at `value`."""
+    blocker = next((q for q in paths if q.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r}: {blocker} is a file, not a directory")
+
+
 def json_path(value: str) -> str:
     """argparse type of --json: refused before the benchmark runs (not after minutes of it) when it
     names a directory or sits under a file."""
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file path")
-    parent = next((q for q in path.parents if q.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{value!r}: {parent} is a file, not a directory")
+    _refuse_a_file_on_the_way(value, path.parents)
     return value
 
 
@@ -308,9 +314,7 @@ def directory_path(value: str) -> str:
     """argparse type of an output directory (--out-dir, --profile-dir): refused before the benchmark
     runs when it is a file or sits under one (a FileExistsError traceback from makedirs, before)."""
     path = Path(value)
-    blocker = next((q for q in (path, *path.parents) if q.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise argparse.ArgumentTypeError(f"{value!r}: {blocker} is a file, not a directory")
+    _refuse_a_file_on_the_way(value, (path, *path.parents))
     return value
 
 

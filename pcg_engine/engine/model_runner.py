@@ -134,7 +134,7 @@ class ModelRunner:
             self.kv_caches = None
             field = ("num_kv_blocks" if self.config.num_kv_blocks is not None else
                      "cpu_kv_blocks" if self.device.type != "cuda" else "gpu_memory_utilization")
-            per_block = shape[0] * math.prod(shape[2:]) * self.dtype.itemsize * self.num_layers   # K and V, every layer
+            per_block = self.kv_bytes_per_block
             raise ConfigError(field, f"{self.num_kv_blocks} KV blocks of {per_block} bytes each "
                                      f"({self.num_kv_blocks * per_block / 2**30:.1f} GiB) cannot be allocated on "
                                      f"{self.device}; allowed: as many as its free memory holds "
@@ -187,8 +187,13 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize * self.num_layers
-        return kv_blocks_for(self.config.gpu_memory_utilization, total, peak, used_by_others, per_block)
+        return kv_blocks_for(self.config.gpu_memory_utilization, total, peak, used_by_others, self.kv_bytes_per_block)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Device bytes of one KV block: K and V, every layer (kv_cache_shape with one block)."""
+        shape = kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim)
+        return math.prod(shape) * self.dtype.itemsize * self.num_layers
 
     def _setup_mode(self, progress):
         mode = self.mode

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.json_file import read_json_object
+from pcg_engine.models.model_config import token_ids_ok
 
 
 # The tokenizer's JSON files, read by this module and by transformers.
@@ -126,15 +127,12 @@ def _generation_eos_ids(file: Path, value, vocab_size: int | None) -> list[int]:
     """generation_config.json's eos_token_id: a token id, a list of them, or null. Any other entry
     is refused, not dropped: a request would run on past the EOS the file meant, and an id beyond
     the vocabulary is never sampled (config.json's eos_token_id is checked the same way at load)."""
-    ids = value if isinstance(value, list) else [value]
-    upper = vocab_size if vocab_size is not None else float("inf")
-    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < upper
-                                     for i in ids):
+    if not token_ids_ok(value, vocab_size):
         allowed = (f"a token id in 0..{vocab_size - 1} (config.json's vocab_size)" if vocab_size is not None
                    else "a token id (an integer >= 0)")
         raise CheckpointError(f"{file}: field 'eos_token_id' is {value!r}; allowed: {allowed}, a list of them, "
                               "or null")
-    return [] if value is None else ids
+    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def eos_token_ids(path: Path, tokenizer=None, vocab_size: int | None = None) -> set[int]:

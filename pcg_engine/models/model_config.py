@@ -172,14 +172,20 @@ def _refuse_unsupported(raw: dict, where: str) -> None:
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
+def token_ids_ok(value, vocab_size: int | None) -> bool:
+    """An eos_token_id value (config.json's, generation_config.json's): null, a token id (an int,
+    not a bool) in 0..vocab_size-1 (any id >= 0 when vocab_size is not known), or a list of them."""
+    ids = value if isinstance(value, list) else [value]
+    return value is None or all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i
+                                and (vocab_size is None or i < vocab_size) for i in ids)
+
+
 def _check_transformers_fields(raw: dict, where: str, vocab_size: int) -> None:
     """Fields the flat model does not read but transformers does, when the tokenizer is loaded
     (AutoTokenizer reads config.json): a bad one failed there, on the first text prompt, with
     transformers' own error naming neither the file nor what is allowed."""
     eos = raw.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [eos]
-    if eos is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
-                                   for i in ids):
+    if not token_ids_ok(eos, vocab_size):
         raise CheckpointError(f"{where}: field 'eos_token_id' is {eos!r}; allowed: a token id in 0..{vocab_size - 1} "
                               "(vocab_size), a list of them, or null")
     for key in ("bos_token_id", "pad_token_id"):     # unused by the engine: only their type is checked
