@@ -1,6 +1,7 @@
 """F.linear at Qwen3 projection shapes and few rows, under cuBLAS and under cuBLASLt, in one process.
 
     python scripts/bench_blas.py --json blas.json
+    python scripts/bench_blas.py --rows 1 --shapes "8B o,8B down" --variants cublas,cublas_nn,mv
 
 PyTorch sends a bf16 GEMM to cuBLAS (cublasGemmEx) unless the preferred BLAS library is cuBLASLt
 (`torch.backends.cuda.preferred_blas_library`, or TORCH_BLAS_PREFER_CUBLASLT=1 at start), which
@@ -8,6 +9,11 @@ picks its kernel by its own heuristic. On the H200, cuBLAS runs Qwen3-8B's batch
 projections as split-K plus reduce kernels at 62-76% of their weight-read floor (docs/PERF.md,
 session 10's 8B kernel table). This times both libraries on the same weight ring, alternated, with
 bench_skinny_gemm's method (a CUDA graph over distinct weight copies, more bytes than the L2).
+
+Variants (--variants): `cublas` / `cublaslt` are F.linear on the [N, K] weight as the model stores
+it (cuBLAS sees the "TN" case); `cublas_nn` / `cublaslt_nn` multiply by the same weight stored
+transposed, [K, N] contiguous (the "NN" case: the library's heuristic picks other kernels for it);
+`mv` is torch.mv on the [N, K] weight, one row only (PyTorch's matrix-vector path).
 """
 
 from __future__ import annotations
@@ -24,46 +30,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_skinny_gemm import SHAPES, ring_time_us  # noqa: E402
 
 COPY_CEILING_GBS = 4250.0   # the H200's measured copy bandwidth (BENCHMARKS.md)
-LIBRARIES = ("cublas", "cublaslt")
+VARIANTS = ("cublas", "cublaslt", "cublas_nn", "cublaslt_nn", "mv")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--variants", default="cublas,cublaslt", help=f"comma-separated, of {','.join(VARIANTS)}")
     p.add_argument("--ring-bytes", type=float, default=256e6, help="bytes of distinct weights per graph")
-    p.add_argument("--rounds", type=int, default=2, help="times each library is timed, alternated")
+    p.add_argument("--rounds", type=int, default=2, help="times each variant is timed, alternated")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     rows_list = [int(r) for r in args.rows.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
     out = []
-    print(f"{'shape':14s} {'rows':>4s} " + " ".join(f"{lib + ' us':>12s}" for lib in LIBRARIES)
-          + f" {'lt/cublas':>9s} {'best of floor':>13s}")
+    print(f"{'shape':14s} {'rows':>4s} " + " ".join(f"{v + ' us':>14s}" for v in variants)
+          + f" {'best':>12s} {'best of floor':>13s}")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         copies = max(2, int(args.ring_bytes // (n * k * 2)))
         weights = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(copies)]
+        transposed = ([w.t().contiguous() for w in weights]
+                      if any(v.endswith("_nn") for v in variants) else [])
         floor_us = n * k * 2 / (COPY_CEILING_GBS * 1e3)
         for m in rows_list:
             x = torch.randn(m, k, device=dev, dtype=dtype)
+            torch.backends.cuda.preferred_blas_library("cublas")
             ref = F.linear(x, weights[0])
-            times = {lib: [] for lib in LIBRARIES}
+            calls = {"cublas": (lambda w: F.linear(x, w), weights),
+                     "cublaslt": (lambda w: F.linear(x, w), weights),
+                     "cublas_nn": (lambda wt: torch.mm(x, wt), transposed),
+                     "cublaslt_nn": (lambda wt: torch.mm(x, wt), transposed),
+                     "mv": (lambda w: torch.mv(w, x[0]).unsqueeze(0), weights)}
+            run = [v for v in variants if v != "mv" or m == 1]
+            times = {v: [] for v in run}
             for _ in range(args.rounds):
-                for lib in LIBRARIES:
-                    torch.backends.cuda.preferred_blas_library(lib)
-                    err = (F.linear(x, weights[0]) - ref).abs().max().item()
+                for v in run:
+                    torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in v else "cublas")
+                    fn, ring = calls[v]
+                    err = (fn(ring[0]) - ref).abs().max().item()
                     if err > 1e-2 * ref.abs().max().item() + 1e-3:
-                        raise AssertionError(f"{name} rows={m}: {lib} differs from cublas by {err}")
-                    times[lib].append(ring_time_us(lambda w: F.linear(x, w), weights))
-            best = {lib: min(ts) for lib, ts in times.items()}
-            ratio = best["cublaslt"] / best["cublas"]
-            print(f"{name:14s} {m:4d} " + " ".join(f"{best[lib]:12.2f}" for lib in LIBRARIES)
-                  + f" {ratio:9.3f} {floor_us / min(best.values()):13.0%}")
+                        raise AssertionError(f"{name} rows={m}: {v} differs from cublas by {err}")
+                    times[v].append(ring_time_us(fn, ring))
+            best = {v: min(ts) for v, ts in times.items()}
+            winner = min(best, key=best.get)
+            print(f"{name:14s} {m:4d} " + " ".join(f"{best[v]:14.2f}" if v in best else f"{'-':>14s}" for v in variants)
+                  + f" {winner:>12s} {floor_us / best[winner]:13.0%}")
             out.append({"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor_us,
-                        **{f"{lib}_us": best[lib] for lib in LIBRARIES},
-                        **{f"{lib}_runs_us": times[lib] for lib in LIBRARIES}})
-        del weights
+                        **{f"{v}_us": best[v] for v in run},
+                        **{f"{v}_runs_us": times[v] for v in run}})
+        del weights, transposed
     torch.backends.cuda.preferred_blas_library("cublas")
     if args.json:
         from pcg_engine.bench.common import git_commit
