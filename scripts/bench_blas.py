@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_skinny_gemm import SHAPES, ring_time_us  # noqa: E402
+from bench_skinny_gemm import SHAPES as PROJECTIONS, ring_time_us  # noqa: E402
+
+SHAPES = {**PROJECTIONS, "8B lm_head": (151936, 4096)}   # 0.6B ties its head to the embedding
 
 COPY_CEILING_GBS = 4250.0   # the H200's measured copy bandwidth (BENCHMARKS.md)
 VARIANTS = ("cublas", "cublaslt", "cublas_nn", "cublaslt_nn", "mv")

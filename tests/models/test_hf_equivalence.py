@@ -21,7 +21,7 @@ from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.attention.op import bind_kv_caches
 from pcg_engine.attention.rope import rope_cache
 from pcg_engine.errors import CheckpointError
-from pcg_engine.models.fuse import parameter_bytes
+from pcg_engine.models.fuse import parameter_bytes, store_transposed
 from pcg_engine.models.loader import load_model
 from tiny_checkpoints import build_tiny
 
@@ -205,6 +205,30 @@ def test_fusion_deletes_the_originals(preset, checkpoints):
     # ... and both hold exactly what the checkpoint holds.
     stored = sum(t.numel() for t in load_file(str(checkpoints[preset] / "model.safetensors")).values())
     assert count(fused) == stored
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_transposed_weights_give_the_same_outputs(preset, checkpoints, hf_models):
+    """store_transposed (applied by fuse on CUDA) moves only strides: each cuBLAS-served projection
+    becomes the [N, K] view of a [K, N] contiguous tensor and the model computes the same values."""
+    from pcg_engine.models.layers import Linear
+
+    prompts = prompts_for(seed=3)
+    late = prompts_for(seed=4)[1][:5]
+    model = load_model(checkpoints[preset], device="cpu", dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.is_contiguous() for m in linears)   # fuse leaves the CPU layout alone
+    shapes = [tuple(m.weight.shape) for m in linears]
+    before, _ = run_schedule(model, hf_models[preset], prompts, late)
+    store_transposed(model)
+    assert [tuple(m.weight.shape) for m in linears] == shapes
+    for m in linears:
+        n, k = m.weight.shape
+        assert m.weight.stride() == (1, n), (n, k, m.weight.stride())
+    after, _ = run_schedule(model, hf_models[preset], prompts, late)
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 # ---- bad checkpoints --------------------------------------------------------------------------
