@@ -23,15 +23,18 @@ def load_tokenizer(path: Path):
     """transformers' tokenizer of the checkpoint; a broken file is a CheckpointError naming it.
 
     transformers' own errors named no file: json's bare message for a file that is not JSON, an
-    AttributeError for one of the wrong shape. The files are checked only after a failure: parsing
-    Qwen3's 11 MB tokenizer.json once more would delay every first text prompt."""
+    AttributeError for one of the wrong shape; and a key given twice (a token with two ids in
+    tokenizer.json's vocab) loaded its last value without a word. So the files are read here first,
+    each one JSON object with no key given twice. That parses Qwen3's 11 MB tokenizer.json once more
+    (0.3 s on a 2-core test host), once a process, on the first text prompt; token-id prompts never
+    pay it."""
     path = Path(path)
+    for name in TOKENIZER_JSON_FILES:
+        _read_json(path / name)
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:
-        for name in TOKENIZER_JSON_FILES:
-            _read_json(path / name)     # raises for the file that is not a JSON object
         # Valid JSON of the wrong structure: which file, only transformers' reason can tell.
         present = [f.name for f in sorted(path.iterdir()) if f.name.startswith(("tokenizer", "special_tokens",
                                                                                  "vocab", "merges"))]
@@ -73,11 +76,11 @@ class LazyTokenizer:
 _UNKNOWN = object()
 
 
-def _read_json(file: Path, refuse_repeats: bool = False) -> dict | None:
+def _read_json(file: Path) -> dict | None:
     """A checkpoint's JSON file (a tokenizer file, generation_config.json) as its object, None if
-    there is no such file; one that cannot be read as a JSON object is a CheckpointError naming it
-    (models/json_file.py)."""
-    return read_json_object(file, refuse_repeats) if file.is_file() else None
+    there is no such file; one that cannot be read as a JSON object, or gives a key twice, is a
+    CheckpointError naming it (models/json_file.py)."""
+    return read_json_object(file) if file.is_file() else None
 
 
 def _token_text(value):
@@ -142,7 +145,7 @@ def eos_token_ids(path: Path, tokenizer=None, vocab_size: int | None = None) -> 
     tokenizer's."""
     ids: set[int] = set()
     file = Path(path) / "generation_config.json"
-    config = _read_json(file, refuse_repeats=True)
+    config = _read_json(file)
     if config is not None:
         ids.update(_generation_eos_ids(file, config.get("eos_token_id"), vocab_size))
     eos = tokenizer_eos_id(path) if isinstance(tokenizer, LazyTokenizer) and not tokenizer.loaded else _UNKNOWN

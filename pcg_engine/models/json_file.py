@@ -1,12 +1,11 @@
-"""Reading a checkpoint's small JSON files (config.json, the shard index, generation_config.json):
-one JSON object, no key given twice at any depth, or a CheckpointError naming the file.
+"""Reading a checkpoint's JSON files (config.json, the shard index, generation_config.json, the
+tokenizer's files): one JSON object, no key given twice at any depth, or a CheckpointError naming
+the file and the key.
 
-json.loads keeps the last value of a repeated key, so a config.json giving "vocab_size" twice, or an
-index mapping one tensor to two shards, would load one of the values without a word about the
-other; which one the author meant cannot be told. (The shards' own headers get the same check in
-safetensors_reader.py. The tokenizer's files are read with refuse_repeats=False: tokenizer.json
-runs to megabytes, which the Python-level check would slow on every start, and transformers'
-loader reads them anyway.)
+json.loads keeps the last value of a repeated key, so a config.json giving "vocab_size" twice, an
+index mapping one tensor to two shards, or a tokenizer.json giving one token two ids, would load one
+of the values without a word about the other; which one the author meant cannot be told. (The
+shards' own headers get the same check in safetensors_reader.py.)
 """
 
 from __future__ import annotations
@@ -32,12 +31,12 @@ def _refuse_repeats(pairs: list) -> dict:
     return obj
 
 
-def read_json_object(file: Path, refuse_repeats: bool = True) -> dict:
-    """The file's JSON object; a file that cannot be read, is not JSON, is not an object or (with
-    refuse_repeats) gives a key twice in one object is a CheckpointError naming it."""
+def read_json_object(file: Path) -> dict:
+    """The file's JSON object; a file that cannot be read, is not JSON, is not an object or gives a
+    key twice in one object is a CheckpointError naming it."""
     try:
         text = Path(file).read_text()
-        data = json.loads(text, object_pairs_hook=_refuse_repeats if refuse_repeats else None)
+        data = json.loads(text, object_pairs_hook=_refuse_repeats)
     except OSError as e:
         raise CheckpointError(f"{file}: unreadable ({e})") from None
     except _RepeatedKey as e:

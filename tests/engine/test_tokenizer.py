@@ -79,6 +79,54 @@ def test_broken_tokenizer_file_is_named(tok_copy, name, content, expected):
         assert str(tok_copy) in str(info.value) and expected in str(info.value)
 
 
+def _give_twice(file, old, new):
+    """`file` with its first `old` replaced by `new` (which repeats a key), the rest as it was."""
+    text = file.read_text() if file.exists() else "{}"
+    assert old in text
+    file.write_text(text.replace(old, new, 1))
+
+
+@pytest.mark.parametrize("name, old, new, key", [
+    # a token given two ids in the vocabulary: the last one was taken
+    ("tokenizer.json", '"vocab": {', '"vocab": {"!": 99, ', "!"),
+    ("tokenizer.json", '{', '{"version": "0.1", ', "version"),
+    ("tokenizer_config.json", '{', '{"eos_token": "<|endoftext|>", ', "eos_token"),
+    ("special_tokens_map.json", '{', '{"eos_token": "<|im_end|>", "eos_token": "<|endoftext|>"', "eos_token"),
+])
+def test_tokenizer_file_key_given_twice_is_refused(tok_copy, name, old, new, key):
+    """Found by probing: json and transformers keep the last value of a repeated key without a word,
+    so the second EOS name or the token's second id won. Refused like config.json's repeats
+    (models/json_file.py), by the engine's start-up and by the first text's load."""
+    file = tok_copy / name
+    _give_twice(file, old, new)
+    for read in (lambda: eos_token_ids(tok_copy, LazyTokenizer(tok_copy)),   # the engine's start-up
+                 lambda: load_tokenizer(tok_copy)):                           # the first text's load
+        with pytest.raises(CheckpointError) as info:
+            read()
+        assert str(file) in str(info.value) and f"key {key!r} is given twice in one object" in str(info.value)
+
+
+def test_tokenizer_json_key_given_twice_refuses_text_not_the_engine(dense_path, tmp_path):
+    """Where the start-up finds the EOS id without tokenizer.json (tokenizer_config.json's
+    added_tokens_decoder), a repeated key in it is refused on the first text prompt; the engine
+    keeps serving token-id prompts and holds nothing of the refused request."""
+    for f in dense_path.iterdir():
+        (tmp_path / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy(f, tmp_path / f.name)
+    eos = load_tokenizer(dense_path).eos_token_id
+    text = json.loads((tmp_path / "tokenizer_config.json").read_text())["eos_token"]
+    _edit(tmp_path, "tokenizer_config.json", lambda d: d.update(
+        added_tokens_decoder={str(eos): {"content": text, "special": True}}))
+    _give_twice(tmp_path / "tokenizer.json", '"vocab": {', '"vocab": {"!": 99, ')
+    llm = make_llm(tmp_path)
+    with pytest.raises(CheckpointError, match="tokenizer.json: key '!' is given twice in one object"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=2))
+    engine = llm.engine
+    assert not engine.requests and engine.block_manager.num_used_blocks == 0
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, detokenize=False))
+    assert len(out[0].token_ids) == 3
+    llm.close()
+
+
 def test_engine_loads_the_tokenizer_on_first_text(dense_path):
     llm = make_llm(dense_path)
     lazy = llm.engine.lazy_tokenizer
