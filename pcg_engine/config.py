@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from pcg_engine.errors import ConfigError
 
 MODES = ("eager", "compile", "full_decode", "piecewise", "full_and_piecewise")
+# The modes that read each bucket list (compile/setup.py takes them from here): piecewise graphs pad
+# a step to a token bucket, full decode graphs a decode batch to a batch bucket; eager and compile
+# capture no graphs.
+BUCKET_MODES = {"cudagraph_buckets": ("piecewise", "full_and_piecewise"),
+                "decode_buckets": ("full_decode", "full_and_piecewise")}
 
 
 def default_buckets(max_tokens: int) -> list[int]:
@@ -135,6 +140,18 @@ class EngineConfig:
                                 ("decode_buckets", self.max_num_seqs, "max_num_seqs")):
             beyond = [b for b in getattr(self, name) or () if b > limit]
             check(name, not beyond, f"buckets in 1..{limit} ({by}); {beyond} can never be used")
+        if self.mode != "auto":           # "auto": checked once the device is known (ModelRunner)
+            self.check_buckets_used(self.mode)
+
+    def check_buckets_used(self, mode: str) -> None:
+        """A bucket list given for a mode that never reads it was ignored without a word: the
+        graphs it was meant to shape were never captured."""
+        for name, modes in BUCKET_MODES.items():
+            value = getattr(self, name)
+            if value is not None and mode not in modes:
+                how = f"mode {mode!r}" if self.mode == mode else f"mode {self.mode!r}, which runs {mode!r} here,"
+                raise ConfigError(name, f"got {value!r}, but {how} never uses it; allowed: None, or a list "
+                                        f"with mode {' or '.join(modes)}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -189,4 +206,4 @@ class EngineConfig:
         return table[self.dtype]
 
 
-__all__ = ["EngineConfig", "MODES", "default_buckets", "sparse_buckets", "field"]
+__all__ = ["EngineConfig", "MODES", "BUCKET_MODES", "default_buckets", "sparse_buckets", "field"]

@@ -28,11 +28,12 @@ from pcg_engine.compile.cache import (CompileCache, cache_fields, inductor_cache
 from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
 from pcg_engine.compile.piecewise import MIN_TRACED_TOKENS, CompiledForward
-from pcg_engine.config import default_buckets, sparse_buckets
+from pcg_engine.config import BUCKET_MODES, default_buckets, sparse_buckets
 from pcg_engine.engine import precompile
 
 COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
-FULL_MODES = ("full_decode", "full_and_piecewise")
+PIECEWISE_MODES = BUCKET_MODES["cudagraph_buckets"]
+FULL_MODES = BUCKET_MODES["decode_buckets"]        # ("full_decode", "full_and_piecewise")
 
 
 def token_buckets_for(runner) -> list[int]:
@@ -154,7 +155,7 @@ def setup_compiled_modes(runner, progress=None) -> None:
     cuda = runner.device.type == "cuda"
     pool = GraphPool(runner.device)
     runner.graph_pool = pool
-    buckets = token_buckets_for(runner) if mode in ("piecewise", "full_and_piecewise") else []
+    buckets = token_buckets_for(runner) if mode in PIECEWISE_MODES else []
     decode_buckets = None
     if mode in FULL_MODES:
         decode_buckets = config.decode_buckets or default_decode_buckets(min(config.max_num_seqs,

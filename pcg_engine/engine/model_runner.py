@@ -71,6 +71,7 @@ class ModelRunner:
         self.timings: dict[str, float] = {}
         _check_max_model_len(config, model_path)   # before the weights: config.json alone decides
         config.check_triton_usable(device.type)
+        config.check_buckets_used(config.resolved_mode(device.type))   # mode "auto" is known from here
         self.dtype = config.torch_dtype(device.type)
         t0 = time.perf_counter()
         if device.type == "cuda":    # the CUDA context: seconds on a first use, not weight loading

@@ -8,7 +8,7 @@ import pytest
 
 from pcg_engine.compile.full_graph import default_decode_buckets
 from pcg_engine.compile.setup import token_buckets_for
-from pcg_engine.config import EngineConfig, default_buckets, sparse_buckets
+from pcg_engine.config import MODES, EngineConfig, default_buckets, sparse_buckets
 from pcg_engine.errors import ConfigError
 
 
@@ -57,3 +57,21 @@ def test_buckets_no_step_can_reach_are_refused(field, value, limit):
     with pytest.raises(ConfigError, match=f"{field}: got ") as e:
         EngineConfig(**{field: value})
     assert e.value.field == field and limit in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["cudagraph_buckets", "decode_buckets"])
+@pytest.mark.parametrize("mode", MODES)
+def test_buckets_for_a_mode_that_never_uses_them_are_refused(field, mode):
+    """Before: eager and compile capture no graphs, piecewise no full ones, full_decode no piece
+    graphs, and the list given for them was ignored without a word."""
+    modes = {"cudagraph_buckets": ("piecewise", "full_and_piecewise"),
+             "decode_buckets": ("full_decode", "full_and_piecewise")}[field]
+    if mode in modes:
+        assert getattr(EngineConfig(mode=mode, **{field: [1, 2]}), field) == [1, 2]
+        return
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(mode=mode, **{field: [1, 2]})
+    assert e.value.field == field
+    assert str(e.value) == (f"{field}: got [1, 2], but mode {mode!r} never uses it; allowed: None, or a list with "
+                            f"mode {modes[0]} or {modes[1]}")
+    assert getattr(EngineConfig(mode=mode), field) is None       # not given: the mode runs
