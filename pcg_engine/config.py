@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from pcg_engine.errors import ConfigError
 
 MODES = ("eager", "compile", "full_decode", "piecewise", "full_and_piecewise")
+# A step's token budget sizes per-token buffers (the runner's step buffers and their pinned copies,
+# ~128 bytes a token), the KV sizing's forward on CUDA and the warm-up's pass over every token count.
+# 2**18: a whole prompt of the longest context the supported models take (Qwen3-2507's 262,144) in one
+# step; chunked prefill splits longer ones, and a larger budget would only fail in an allocation.
+MAX_NUM_BATCHED_TOKENS = 2**18
 # The modes that read each bucket list (compile/setup.py takes them from here): piecewise graphs pad
 # a step to a token bucket, full decode graphs a decode batch to a batch bucket; eager and compile
 # capture no graphs.
@@ -107,7 +112,7 @@ class EngineConfig:
         check("cpu_kv_blocks", is_int(self.cpu_kv_blocks) and self.cpu_kv_blocks >= 2, "an int >= 2")
         check("max_num_seqs", is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 4096, "1..4096")
         check("max_num_batched_tokens", is_int(self.max_num_batched_tokens)
-              and self.max_num_batched_tokens >= 1, "an int >= 1")
+              and 1 <= self.max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS, f"1..{MAX_NUM_BATCHED_TOKENS}")
         check("max_model_len", self.max_model_len is None or (is_int(self.max_model_len)
                                                                 and self.max_model_len >= 2), "None or an int >= 2")
         check("device", isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
@@ -206,4 +211,5 @@ class EngineConfig:
         return table[self.dtype]
 
 
-__all__ = ["EngineConfig", "MODES", "BUCKET_MODES", "default_buckets", "sparse_buckets", "field"]
+__all__ = ["EngineConfig", "MODES", "BUCKET_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
+           "field"]

@@ -40,6 +40,29 @@ def test_field_of_the_wrong_type_is_named(field, value, allowed):
     assert e.value.field == field and allowed in str(e.value)
 
 
+@pytest.mark.parametrize("field, value, allowed", [
+    ("max_num_batched_tokens", 10**9, "1..262144"), ("max_num_batched_tokens", 2**18 + 1, "1..262144"),
+    ("max_num_batched_tokens", 0, "1..262144"), ("max_num_seqs", 10**9, "1..4096"),
+])
+def test_sizes_beyond_their_bound_are_refused(field, value, allowed):
+    """Found by probing: max_num_batched_tokens=10**9 was taken, and the engine's start failed in the
+    step buffers' allocation (torch's allocator asking for 24 GB, or the OOM killer ending the process)."""
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**{field: value})
+    assert e.value.field == field and str(e.value) == f"{field}: got {value}; allowed: {allowed}"
+
+
+def test_the_largest_step_budget_is_taken(tiny_paths):
+    """At the bound the engine starts (its per-token buffers ~32 MB) and serves."""
+    from engine_helpers import make_llm
+    from pcg_engine.config import MAX_NUM_BATCHED_TOKENS
+    from pcg_engine.sampling_params import SamplingParams
+    llm = make_llm(tiny_paths["tiny-qwen3"], max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))
+    assert len(out[0].token_ids) == 2
+    llm.close()
+
+
 def test_fields_of_the_right_type_still_pass(tmp_path):
     config = EngineConfig(seed=-1, async_scheduling=False, kernels=None, compile_cache_dir=tmp_path,
                           gpu_memory_utilization=1, cudagraph_buckets=(1, 8), decode_buckets=[1, 2])
@@ -53,9 +76,10 @@ def test_max_model_len_beyond_the_checkpoint_is_refused(tiny_paths):
     from pcg_engine.models.loader import load_config
     path = tiny_paths["tiny-qwen3"]
     limit = load_config(path).max_position_embeddings
-    with pytest.raises(ConfigError, match=f"max_model_len: got {limit + 1}; allowed: 2..{limit} ") as e:
-        make_llm(path, max_model_len=limit + 1)
-    assert e.value.field == "max_model_len"
+    for value in (limit + 1, 10**9):
+        with pytest.raises(ConfigError, match=f"max_model_len: got {value}; allowed: 2..{limit} ") as e:
+            make_llm(path, max_model_len=value)
+        assert e.value.field == "max_model_len"
     llm = make_llm(path, max_model_len=limit)
     assert llm.engine.max_model_len == limit
     llm.close()
@@ -181,6 +205,8 @@ def test_cli_refusals_raised_as_system_exit_are_one_error_line(tmp_path, capsys)
 @pytest.mark.parametrize("flags, expected", [
     (["--max-num-seqs", "0"], "error: --max-num-seqs (max_num_seqs): got 0; allowed: 1..4096"),
     (["--max-num-seqs=0"], "error: --max-num-seqs (max_num_seqs): got 0"),
+    (["--max-num-batched-tokens", "1000000000"],
+     "error: --max-num-batched-tokens (max_num_batched_tokens): got 1000000000; allowed: 1..262144"),
     # refused before an engine is built, naming the flags (common.refuse_too_long)
     (["--input-len", "250", "--output-len", "10", "--max-model-len", "256"],
      "error: --input-len / --output-len: the longest request is 250 prompt + 10 output tokens, more than "
