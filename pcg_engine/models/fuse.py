@@ -6,12 +6,14 @@ memory. With kernels=True the norms, the SiLU-and-mul and the MoE experts switch
 Triton kernels. The model's forward handles both layouts, so fusing is optional (fuse=False keeps
 the unfused model for comparison).
 
-On CUDA the projections that cuBLAS serves are stored transposed (see store_transposed).
+On CUDA the o, down and LM-head projections that cuBLAS serves are stored transposed (see
+store_transposed).
 """
 
 import os
 
 import torch
+from torch import nn
 
 from pcg_engine.models.layers import Linear, RMSNorm, concat_linear
 
@@ -38,19 +40,32 @@ def fuse(model, kernels: bool = False):
     return model
 
 
+# Which projections store_transposed moves, by name. On the H200 (`scripts/bench_blas.py --variants
+# cublas,cublas_nn --rows 1,16,256,2048`, session 17 call 2), µs with the checkpoint's layout / transposed:
+#   8B o_proj    14.22 / 13.73 at 1 row,  17.14 / 16.48 at 256,  87.45 / 87.54 at 2048
+#   8B down_proj 30.03 / 29.76,           43.15 / 43.05,        252.75 / 252.64
+#   8B lm_head  301.32 / 290.97,         424.34 / 420.30  (it reads only the sampled rows)
+# qkv and gate_up gain at one row too (-0.1 and -1.4 µs) but lose in prefill: 131.6 / 135.4 and
+# 517.7 / 558.2 µs at 2048 rows, so they keep the checkpoint's layout.
+TRANSPOSED_PROJECTIONS = ("o_proj", "down_proj", "lm_head")
+
+
 @torch.no_grad()
 def store_transposed(model):
-    """Keep each Linear's weight as the [N, K] view of a [K, N] contiguous tensor, so that F.linear
-    hands cuBLAS the "NN" case, for which it picks other kernels than for the checkpoint's layout.
-    On the H200 at one and two rows (`scripts/bench_blas.py --variants cublas,cublas_nn`, session 17)
-    they read Qwen3-8B's gate_up weight at 97% of the copy ceiling against 93%, down at 83% against
-    79%; qkv and o stay within 1%. Projections the skinny GEMM serves keep [N, K]: its kernel reads
-    rows of K. Values and shapes are unchanged; only the strides move."""
-    for module in model.modules():
-        if isinstance(module, Linear) and not module.kernel_applies():
-            w = module.weight.data
-            if w.dim() == 2 and w.stride(1) == 1:
-                module.weight.data = w.t().contiguous().t()
+    """Keep the weights of TRANSPOSED_PROJECTIONS as [N, K] views of [K, N] contiguous tensors, so
+    that F.linear hands cuBLAS the "NN" case, for which it picks other kernels than for the
+    checkpoint's layout (faster at decode's few rows, see above). A projection the skinny GEMM
+    serves keeps [N, K] (its kernel reads rows of K), and so does a head tied to the embedding (the
+    lookup reads its rows). Values and shapes are unchanged; only the strides move."""
+    embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in TRANSPOSED_PROJECTIONS:
+            continue
+        if isinstance(module, Linear) and module.kernel_applies():
+            continue
+        w = module.weight.data
+        if w.stride(1) == 1 and w.data_ptr() not in embeddings:
+            module.weight.data = w.t().contiguous().t()
     return model
 
 

@@ -209,22 +209,27 @@ def test_fusion_deletes_the_originals(preset, checkpoints):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_transposed_weights_give_the_same_outputs(preset, checkpoints, hf_models):
-    """store_transposed (applied by fuse on CUDA) moves only strides: each cuBLAS-served projection
-    becomes the [N, K] view of a [K, N] contiguous tensor and the model computes the same values."""
-    from pcg_engine.models.layers import Linear
+    """store_transposed (applied by fuse on CUDA) moves only strides: the o, down and untied LM-head
+    projections become [N, K] views of [K, N] contiguous tensors, the others keep their layout, and
+    the model computes the same values."""
+    from pcg_engine.models.fuse import TRANSPOSED_PROJECTIONS
 
     prompts = prompts_for(seed=3)
     late = prompts_for(seed=4)[1][:5]
     model = load_model(checkpoints[preset], device="cpu", dtype=torch.float32)
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight.is_contiguous() for m in linears)   # fuse leaves the CPU layout alone
-    shapes = [tuple(m.weight.shape) for m in linears]
+    weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert all(w.is_contiguous() for w in weights.values())   # fuse leaves the CPU layout alone
+    shapes = {n: tuple(w.shape) for n, w in weights.items()}
     before, _ = run_schedule(model, hf_models[preset], prompts, late)
     store_transposed(model)
-    assert [tuple(m.weight.shape) for m in linears] == shapes
-    for m in linears:
-        n, k = m.weight.shape
-        assert m.weight.stride() == (1, n), (n, k, m.weight.stride())
+    moved = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not m.weight.is_contiguous()}
+    expect = {n for n in weights if n.rsplit(".", 1)[-1] in TRANSPOSED_PROJECTIONS}
+    assert moved == expect and any(n.endswith("o_proj") for n in expect)
+    for n, m in model.named_modules():
+        if n in weights:
+            assert tuple(m.weight.shape) == shapes[n]
+            if n in moved:
+                assert m.weight.stride() == (1, shapes[n][0]), (n, m.weight.stride())
     after, _ = run_schedule(model, hf_models[preset], prompts, late)
     assert len(before) == len(after)
     for a, b in zip(before, after):
@@ -457,6 +462,23 @@ def test_moe_experts_in_both_layouts_are_refused(checkpoints, tmp_path):
     assert msg.startswith("layer model.layers.1.mlp: its experts are stored in two layouts, stacked "
                           f"('model.layers.1.mlp.experts.down_proj' in {file}) and one module per expert "
                           f"('model.layers.1.mlp.experts.0.down_proj.weight' in {file})"), msg
+
+
+def test_untied_lm_head_is_stored_transposed_and_computes_the_same(ckpt_copy):
+    """The untied head is among the transposed projections; its logits stay the same."""
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(5)
+    head = torch.randn(cfg["vocab_size"], cfg["hidden_size"], generator=g)
+    rewrite_weights(ckpt_copy, lambda t: t.__setitem__("lm_head.weight", head.to(t["model.embed_tokens.weight"].dtype)))
+    model = load_model(ckpt_copy, device="cpu", dtype=torch.float32)
+    hidden = torch.randn(3, cfg["hidden_size"], generator=g)
+    before = model.compute_logits(hidden)
+    store_transposed(model)
+    assert model.lm_head.weight.stride() == (1, cfg["vocab_size"])
+    assert model.model.embed_tokens.weight.is_contiguous()
+    torch.testing.assert_close(model.compute_logits(hidden), before, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tied", [True, False])
