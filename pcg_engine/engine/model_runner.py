@@ -173,6 +173,16 @@ class ModelRunner:
             return self.config.cpu_kv_blocks
         # Profile a forward at the largest step (attention skipped: no metadata), then give the
         # KV cache what the memory fraction leaves.
+        try:
+            peak = self._profile_peak()
+        except torch.OutOfMemoryError:
+            raise self._profile_oom_error() from None
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        return kv_blocks_for(self.config.gpu_memory_utilization, total, peak, used_by_others, self.kv_bytes_per_block)
+
+    def _profile_peak(self) -> int:
+        """Peak allocated bytes of one forward at max_num_batched_tokens tokens (CUDA)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         T = self.max_num_tokens
@@ -185,10 +195,17 @@ class ModelRunner:
             hidden = self.model(ids, ids)
             self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _profile_oom_error(self) -> ConfigError:
+        """The profile forward itself did not fit: a step of max_num_batched_tokens tokens cannot run
+        beside the weights on this device (it failed inside torch's allocator, naming no setting)."""
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        return kv_blocks_for(self.config.gpu_memory_utilization, total, peak, used_by_others, self.kv_bytes_per_block)
+        return ConfigError("max_num_batched_tokens", f"a step of {self.max_num_tokens} tokens ran out of GPU memory "
+                                                     f"beside the weights ({free / 2**30:.1f} of {total / 2**30:.1f} "
+                                                     "GiB free after it); allowed: a smaller value, or a device "
+                                                     "with more free memory")
 
     @property
     def kv_bytes_per_block(self) -> int:

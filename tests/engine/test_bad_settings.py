@@ -3,6 +3,7 @@ ConfigError naming the field and what is allowed, before the weights load where 
 the device alone decide (DESIGN.md, "Bad input")."""
 
 import pytest
+import torch
 
 from engine_helpers import make_llm
 from pcg_engine.errors import ConfigError
@@ -53,3 +54,29 @@ def test_kv_sizing_that_leaves_no_room_names_gpu_memory_utilization():
             f"allowed: at least {needed:.3f} (up to 1.0)") in str(info.value)
     with pytest.raises(ConfigError, match="allowed: none on this device"):
         kv_blocks_for(0.9, 80 * gib, 79 * gib, 2 * gib, per_block)
+
+
+def test_kv_sizing_forward_out_of_memory_names_max_num_batched_tokens(monkeypatch):
+    """Found by probing: a max_num_batched_tokens whose profile forward does not fit beside the
+    weights failed with torch's bare OutOfMemoryError (CUDA only; the runner's sizing is driven
+    here with the forward and the device's memory query stubbed)."""
+    from types import SimpleNamespace
+
+    from pcg_engine.engine.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.config = SimpleNamespace(num_kv_blocks=None, gpu_memory_utilization=0.9)
+    runner.device = torch.device("cuda", 0)
+    runner.max_num_tokens = 262144
+
+    def no_room():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB")
+
+    monkeypatch.setattr(runner, "_profile_peak", no_room)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * 2**30, 80 * 2**30))
+    with pytest.raises(ConfigError) as info:
+        runner._num_kv_blocks()
+    assert info.value.field == "max_num_batched_tokens"
+    assert ("a step of 262144 tokens ran out of GPU memory beside the weights (3.0 of 80.0 GiB free after it); "
+            "allowed: a smaller value") in str(info.value)
