@@ -1,7 +1,8 @@
 """Prompt files given on the command line (`pcg generate --prompts-file`, `pcg bench load-test
 --dataset`): UTF-8 text, one prompt or one JSON object per line. A file that cannot be read, is not
 UTF-8, or has a line that is not JSON stops the command in one line naming the flag (and the line's
-number), not in a traceback; each caller then checks the objects' fields."""
+number), not in a traceback; each caller then checks the objects' fields. A leading UTF-8 byte-order
+mark (Windows editors write one) is not part of the first line."""
 
 import json
 
@@ -9,7 +10,9 @@ import json
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
     """(line number from 1, line) of the file's non-blank lines."""
     try:
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: with plain utf-8 the mark stayed on line 1, so a JSONL file's first line did not
+        # start with "{" and its object was run as a text prompt, JSON and all.
+        with open(path, encoding="utf-8-sig") as f:
             text = f.read()
     except OSError as e:
         raise SystemExit(f"{flag}: cannot read {path}: {e.strerror}") from None

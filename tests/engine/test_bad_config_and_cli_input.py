@@ -110,6 +110,18 @@ def test_prompts_file_plain_lines_and_jsonl(tmp_path):
     assert _read_prompts(_args(path)) == ["first", "second", "third é", [5, 6]]
 
 
+def test_prompts_file_with_a_byte_order_mark(tmp_path):
+    """A UTF-8 BOM (Windows editors) is not part of line 1: the first JSONL object was run as the
+    text prompt '\\ufeff{"prompt": ...}', and load-test's --dataset called line 1 'not valid JSON'."""
+    from pcg_engine.bench.load_test_requests import read_dataset
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "first"}\n{"prompt": [5, 6]}\n')
+    assert _read_prompts(_args(path)) == ["first", [5, 6]]
+    assert read_dataset(str(path)) == [(1, "first", None), (2, [5, 6], None)]
+    path.write_bytes(b"\xef\xbb\xbfplain\n")
+    assert _read_prompts(_args(path)) == ["plain"]
+
+
 @pytest.mark.parametrize("content, expected", [
     (b"ok\n{\"prompt\": \"x\"\n", "line 2 is not valid JSON"),
     (b"{\"text\": \"x\"}\n", "line 1: JSONL line without a 'prompt' field"),
