@@ -125,6 +125,11 @@ def cmd_generate(args) -> int:
             bad = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
             if bad is not None:
                 raise SystemExit(f"--chat: prompt {bad} is token ids; the chat template needs text prompts")
+            if not getattr(llm.tokenizer, "chat_template", None):
+                # transformers' own ValueError named neither --chat nor the checkpoint
+                raise SystemExit(f"--chat: the tokenizer of {llm.engine.model_path} has no chat template "
+                                 "(chat_template.jinja, or chat_template in tokenizer_config.json); "
+                                 "leave out --chat to send the prompts as they are")
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                          add_generation_prompt=True) for p in prompts]
         t1 = time.perf_counter()

@@ -198,6 +198,27 @@ def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
                                                    "needs text prompts")
 
 
+def test_chat_without_a_chat_template_names_the_flag(tiny_paths, tmp_path, capsys):
+    """Before: transformers' 'Cannot use chat template functions because tokenizer.chat_template is
+    not set...', naming neither --chat nor the checkpoint."""
+    import json
+    import os
+    from pcg_engine import cli
+    src = tiny_paths["tiny-qwen3"]
+    for f in src.iterdir():
+        if f.name == "tokenizer_config.json":
+            config = json.loads(f.read_text())
+            config.pop("chat_template", None)
+            (tmp_path / f.name).write_text(json.dumps(config))
+        elif f.name != "chat_template.jinja":
+            os.symlink(f, tmp_path / f.name)
+    assert cli.main(["generate", "--model", str(tmp_path), "--device", "cpu", "--chat", "--prompt", "hi",
+                     "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: --chat: the tokenizer of {tmp_path} has no chat template (chat_template.jinja, or "
+                       "chat_template in tokenizer_config.json); leave out --chat to send the prompts as they are")
+
+
 def test_cli_refusals_raised_as_system_exit_are_one_error_line(tmp_path, capsys):
     """--prompts-file problems (and the other SystemExit("...") refusals) exit 2 with 'error:', like
     argparse's and the engine's (they exited 1 with the bare message)."""
