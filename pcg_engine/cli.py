@@ -41,9 +41,13 @@ def _add_generate(sub):
     p.set_defaults(func=cmd_generate)
 
 
-def _read_prompts(args) -> list[str]:
+def _read_prompts(args, sources: list | None = None) -> list[str]:
+    """The prompts of --prompt and --prompts-file; where each came from ("--prompt #2",
+    "--prompts-file: line 7") is appended to `sources` when given, for the errors that name one."""
     from pcg_engine.prompt_files import parse_json, read_lines
     prompts = list(args.prompt)
+    if sources is not None:
+        sources += ["--prompt" if len(prompts) == 1 else f"--prompt #{i + 1}" for i in range(len(prompts))]
     if args.prompts_file:
         for number, line in read_lines(args.prompts_file, "--prompts-file"):
             if line.lstrip().startswith("{"):
@@ -60,6 +64,8 @@ def _read_prompts(args) -> list[str]:
                 prompts.append(prompt)
             else:
                 prompts.append(line)
+            if sources is not None:
+                sources.append(f"--prompts-file: line {number}")
     if not prompts:
         raise SystemExit("give --prompt (repeatable) or --prompts-file")
     return prompts
@@ -96,12 +102,13 @@ def cmd_generate(args) -> int:
     from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from pcg_engine.errors import PcgError
+    from pcg_engine.errors import InvalidRequestError, PcgError
     from pcg_engine.llm import LLM
     from pcg_engine.sampling_params import SamplingParams
 
     err = Console(stderr=True)
-    prompts = _read_prompts(args)
+    sources: list[str] = []
+    prompts = _read_prompts(args, sources)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop)
@@ -135,13 +142,17 @@ def cmd_generate(args) -> int:
         t1 = time.perf_counter()
         if args.stream:
             outs = []
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 final = None
-                for delta in llm.stream(prompt, params):
-                    if not args.json:
-                        sys.stdout.write(delta.new_text)
-                        sys.stdout.flush()
-                    final = delta
+                try:
+                    for delta in llm.stream(prompt, params):
+                        if not args.json:
+                            sys.stdout.write(delta.new_text)
+                            sys.stdout.flush()
+                        final = delta
+                except InvalidRequestError as e:
+                    e.prompt_index = i      # add_request's refusal of this prompt
+                    raise
                 if not args.json:
                     sys.stdout.write("\n")
                 outs.append(final)
@@ -149,10 +160,16 @@ def cmd_generate(args) -> int:
             outs = llm.generate(prompts, params)
         gen_s = time.perf_counter() - t1
     except (PcgError, ValueError) as e:
+        # A refused prompt among several, or from the file: where it came from, since "prompt 5"
+        # or the field 'prompt' (the --prompt flag, before) does not say which line it is.
+        index = getattr(e, "prompt_index", None)
+        source = sources[index] if index is not None and (len(prompts) > 1 or args.prompts_file) else None
+        text = _name_the_flag(e, lambda field: hasattr(args, field) and (source is None or field != "prompt"))
+        if source is not None:
+            text = f"{source}: {text}"
         # escape: a message quoting a path or stop string with [brackets] is not rich markup;
         # soft_wrap: one line, whatever the terminal's width (logs get grepped)
-        err.print(f"[red]error:[/red] {escape(_name_the_flag(e, lambda field: hasattr(args, field)))}",
-                  soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True)
         return 2
     for prompt, out in zip(prompts, outs):
         if args.json:

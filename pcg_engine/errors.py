@@ -8,6 +8,8 @@ class PcgError(Exception):
 class InvalidRequestError(PcgError, ValueError):
     """A request (prompt or sampling parameter) the engine refuses; the batch keeps running."""
 
+    prompt_index: int | None = None     # LLM.generate: which of its prompts was refused
+
     def __init__(self, field: str, message: str):
         self.field, self.message = field, message
         super().__init__(f"{field}: {message}")

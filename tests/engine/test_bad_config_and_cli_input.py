@@ -198,6 +198,33 @@ def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
                                                    "needs text prompts")
 
 
+@pytest.mark.parametrize("lines, flags, expected", [
+    # named the --prompt flag, for a prompt from the file
+    ('\n\n{"prompt": ""}\n', ["--prompt", "hi"],
+     "--prompts-file: line 3: prompt: is empty; give at least one character or token (prompt 1 of 2; "
+     "none of them was run)"),
+    # said "prompt 1 of 2" only: the file's line had to be counted out (blank lines left out)
+    ('ok\n\n{"prompt": [5, 99999]}\n', [],
+     "--prompts-file: line 3: prompt_token_ids: token 99999 at position 1 is outside the vocabulary"),
+    ('{"prompt": [5, 99999]}\n', ["--stream"],
+     "--prompts-file: line 1: prompt_token_ids: token 99999 at position 1 is outside the vocabulary"),
+    ('ok\n{"prompt": ' + str([5] * 60) + '}\n', ["--max-tokens", "10"],
+     "--prompts-file: line 2: --max-tokens (max_tokens): prompt has 60 tokens and max_tokens is 10, beyond "
+     "max_model_len 64; max_tokens allowed: 1..4"),
+    (None, ["--prompt", "hi", "--prompt", ""], "--prompt #2: prompt: is empty"),
+    (None, ["--prompt", ""], "--prompt (prompt): is empty"),       # the only prompt: the flag says it
+], ids=["empty-line-prompt", "ids-outside-vocab", "stream", "too-long", "second-prompt-flag", "only-prompt"])
+def test_refused_prompt_names_its_file_line(tiny_paths, tmp_path, capsys, lines, flags, expected):
+    from pcg_engine import cli
+    if lines is not None:
+        (tmp_path / "p.jsonl").write_text(lines)
+        flags = ["--prompts-file", str(tmp_path / "p.jsonl"), *flags]
+    assert cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu",
+                     "--max-model-len", "64", "--max-tokens", "2", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {expected}"), err[-1]
+
+
 def test_chat_without_a_chat_template_names_the_flag(tiny_paths, tmp_path, capsys):
     """Before: transformers' 'Cannot use chat template functions because tokenizer.chat_template is
     not set...', naming neither --chat nor the checkpoint."""

@@ -296,6 +296,7 @@ def test_generate_names_the_bad_prompt(llm):
     with pytest.raises(InvalidRequestError) as info:
         llm.generate(["a", "b", [5, VOCAB + 1]], SamplingParams(max_tokens=2))
     assert info.value.field == "prompt_token_ids" and "(prompt 2 of 3; none of them was run)" in str(info.value)
+    assert info.value.prompt_index == 2         # for a caller that maps it back (pcg generate: the file's line)
     assert str(info.value).startswith("prompt_token_ids: token")
     assert_drained(llm.engine)
 
