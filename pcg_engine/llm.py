@@ -8,6 +8,7 @@
 Keyword arguments are EngineConfig fields; an unknown one is refused by name.
 """
 
+import numbers
 from collections.abc import Iterator, Sequence
 
 from pcg_engine.config import EngineConfig
@@ -38,7 +39,10 @@ class LLM:
         aborted: the next call does not run them. Requests that others added to the engine keep
         running meanwhile; their outputs are not this call's (on_output does not see them) and stay
         with the engine: its next step() returns them first."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        # One prompt: text, or token ids, which add_request also takes as numpy integers or a 1-D
+        # array or tensor (those were read as a list of prompts, or refused as 'got ndarray').
+        if (isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1
+                or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral))):
             prompts = [prompts]
         elif not isinstance(prompts, Sequence):
             raise InvalidRequestError("prompts", "must be a string, a list of token ids, or a list of those; "

@@ -334,6 +334,10 @@ def test_numpy_ids_and_numbers_are_taken_as_plain_ones(llm):
         out = llm.generate([ids], params)[0]
         assert out.token_ids == plain.token_ids and out.prompt_token_ids == prompt
         assert all(type(t) is int for t in out.prompt_token_ids)
+    # One prompt not in a list, as generate takes a list of ints (a list of numpy ints was read as
+    # prompts of one int each, refused as 'expected a string ... got int64'; an array as 'got ndarray')
+    for ids in ([np.int64(t) for t in prompt], np.array(prompt), torch.tensor(prompt)):
+        assert [o.token_ids for o in llm.generate(ids, params)] == [plain.token_ids]
     with pytest.raises(InvalidRequestError, match="prompt_token_ids: token 5.0 at position 0 is not an integer"):
         engine.add_request(np.array([5.0, 6.0]), None)
     assert_drained(engine)
