@@ -211,6 +211,11 @@ class LLMEngine:
         if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < self.vocab_size:
             return ids
         for i, t in enumerate(ids):
+            if isinstance(t, str) and all(isinstance(x, str) for x in ids):
+                # Several text prompts, where one request takes one (LLM.stream, add_request).
+                raise InvalidRequestError("prompt", f"is a list of {len(ids)} strings; one request takes one "
+                                          "prompt, a string or a list of token ids (LLM.generate takes a list "
+                                          "of prompts)")
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise InvalidRequestError("prompt_token_ids", f"token {t!r} at position {i} is not an integer; "
                                           f"allowed: integers 0..{self.vocab_size - 1}")

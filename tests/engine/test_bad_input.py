@@ -100,6 +100,9 @@ CASES = [
     ("request-id-int", lambda e: e.add_request(_prompt(), None, request_id=5), "request_id", r"non-empty string"),
     ("token-id-text", lambda e: e.add_request([5, "6"], None), "prompt_token_ids", r"position 1 is not an integer"),
     ("token-id-nested", lambda e: e.add_request([[5, 6]], None), "prompt_token_ids", r"position 0 is not an integer"),
+    # Found by probing: LLM.stream(["a", "b"]) (a batch where one prompt goes) said "token 'a' ... is
+    # not an integer".
+    ("text-list", lambda e: e.add_request(["a", "b"], None), "prompt", r"is a list of 2 strings; one request takes one prompt"),
     ("prompt-and-ids", lambda e: e.add_request("hi", None, prompt_token_ids=[5, 6]), "prompt", r"not both"),
     ("final-only-not-bool", lambda e: e.add_request(_prompt(), None, final_only="no"), "final_only", r"true or false"),
     ("arrival-time-str", lambda e: e.add_request(_prompt(), None, arrival_time="now"), "arrival_time",
