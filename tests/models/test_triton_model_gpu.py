@@ -71,3 +71,24 @@ def test_qwen3_06b_shaped_triton_path_logits_close(tmp_path_factory):
     assert rel(ref) < 5e-2, f"bf16 reference path off the fp32 one by {rel(ref):.3e}"
     assert rel(fast) <= 1.5 * rel(ref) + 1e-3, \
         f"Triton path {rel(fast):.3e} from fp32, the bf16 reference path {rel(ref):.3e}"
+
+
+def test_cuda_projections_stored_transposed_give_the_same_logits(tmp_path_factory, monkeypatch):
+    """fuse on CUDA stores o_proj and down_proj as [N, K] views of [K, N] tensors (models/fuse.py,
+    for cuBLAS's NN kernels); the prefill logits equal those of the checkpoint's layout in fp32."""
+    from pcg_engine.models import fuse as fuse_module
+    if not fuse_module._WEIGHT_NN:
+        pytest.skip("PCG_WEIGHT_NN=0 keeps the checkpoint's layout")
+    path = build_tiny(tmp_path_factory.getbasetemp(), "tiny-qwen3")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 9, 40)]
+    config = EngineConfig(model=str(path), device="cuda", mode="eager", dtype="float32", num_kv_blocks=64,
+                          max_num_seqs=4, max_num_batched_tokens=256)
+    model = ModelRunner(config, path, torch.device("cuda")).model
+    moved = [(n, m.weight) for n, m in model.named_modules() if n.endswith(("o_proj", "down_proj"))]
+    assert moved and all(w.stride() == (1, w.shape[0]) for _, w in moved), [(n, w.stride()) for n, w in moved]
+    del model
+    transposed = prefill_logits(path, "triton", True, "float32", prompts)
+    monkeypatch.setattr(fuse_module, "_WEIGHT_NN", False)
+    stored = prefill_logits(path, "triton", True, "float32", prompts)
+    torch.testing.assert_close(transposed, stored, rtol=1e-4, atol=1e-4)
