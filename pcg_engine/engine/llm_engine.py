@@ -264,6 +264,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         wait0 = self.stats.sync_wait_s
         plan = self.scheduler.schedule()
+        # The victims' rows go before anything launches, and also when nothing does: a request
+        # that preempted itself with nobody else to run leaves an empty plan, and its stale row
+        # (block table, token count) would otherwise be taken up again when it is re-admitted.
+        self._release_preempted(plan.preempted)
         launched = self._launch(plan) if not plan.is_empty else None
         outputs, self.pending_outputs = self.pending_outputs, []
         if self.async_scheduling:
@@ -275,11 +279,13 @@ class LLMEngine:
         self.stats.host_s += time.perf_counter() - t0 - (self.stats.sync_wait_s - wait0)
         return outputs
 
+    def _release_preempted(self, victims) -> None:
+        self.stats.preemptions += len(victims)
+        for victim in victims:
+            self._release_row(victim)
+
     def _launch(self, plan) -> Inflight:
         batch = self.runner.batch
-        self.stats.preemptions += len(plan.preempted)
-        for victim in plan.preempted:
-            self._release_row(victim)
         row_of = batch.row_of
         state = getattr(batch, "state", None)
         # The decode fast path (scheduled.rows) schedules only requests that hold rows already.

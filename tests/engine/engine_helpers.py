@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from tiny_checkpoints import build_tiny  # noqa: F401  (re-exported for conftest)
+from pcg_engine.engine.request import RequestStatus
 
 
 def make_eos_checkpoint(src: Path, out: Path, eos: int) -> Path:
@@ -95,6 +96,19 @@ def check_engine_state(engine) -> None:
             if block.hash is not None:
                 assert list(block.tokens) == request.token_ids[i * bs:(i + 1) * bs], (
                     f"{rid}: block {block_id} is cached under tokens the request doesn't hold")
+    # An input-batch row belongs to a running request, and the block ids written into it are the
+    # block manager's: a stale row (kept across a preemption) would read and write other blocks.
+    batch = engine.runner.batch
+    for rid, row in getattr(batch, "row_of", {}).items():
+        request = engine.scheduler.requests.get(rid)
+        assert request is not None and request.status is RequestStatus.RUNNING, (
+            f"{rid} holds input-batch row {row} while {None if request is None else request.status}")
+        if not hasattr(batch, "num_blocks"):     # the P4 benchmark's per-step rebuild keeps no tables
+            continue
+        n = int(batch.num_blocks[row])
+        assert batch.block_table[row, :n].tolist() == bm.block_table(rid)[:n], (
+            f"{rid}: row {row}'s block table {batch.block_table[row, :n].tolist()} is not the block "
+            f"manager's {bm.block_table(rid)[:n]}")
 
 
 def install_invariant_hook(engine) -> None:
