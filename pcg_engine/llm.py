@@ -61,12 +61,10 @@ class LLM:
                 try:
                     ids.append(self.engine.add_request(prompt, p, final_only=on_output is None))
                 except InvalidRequestError as e:
-                    e.prompt_index = i
-                    if len(prompts) == 1:
-                        raise
-                    # Which of the prompts: the field alone does not say.
-                    error = InvalidRequestError(e.field, f"{e.message} (prompt {i} of {len(prompts)}; "
-                                                "none of them was run)")
+                    error = e
+                    if len(prompts) > 1:     # which of the prompts: the field alone does not say
+                        error = InvalidRequestError(e.field, f"{e.message} (prompt {i} of {len(prompts)}; "
+                                                    "none of them was run)")
                     error.prompt_index = i
                     raise error from None
             mine = set(ids)
