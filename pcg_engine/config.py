@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pcg_engine.errors import ConfigError
 
 MODES = ("eager", "compile", "full_decode", "piecewise", "full_and_piecewise")
+# The modes that run the forward through torch.compile (Dynamo and Inductor); full_decode captures the
+# eager model.
+COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
 # A step's token budget sizes per-token buffers (the runner's step buffers and their pinned copies,
 # ~128 bytes a token), the KV sizing's forward on CUDA and the warm-up's pass over every token count.
 # 2**18: a whole prompt of the longest context the supported models take (Qwen3-2507's 262,144) in one
@@ -211,5 +214,5 @@ class EngineConfig:
         return table[self.dtype]
 
 
-__all__ = ["EngineConfig", "MODES", "BUCKET_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
+__all__ = ["EngineConfig", "MODES", "COMPILED_MODES", "BUCKET_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
            "field"]

@@ -28,10 +28,9 @@ from pcg_engine.compile.cache import (CompileCache, cache_fields, inductor_cache
 from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
 from pcg_engine.compile.piecewise import MIN_TRACED_TOKENS, CompiledForward
-from pcg_engine.config import BUCKET_MODES, default_buckets, sparse_buckets
+from pcg_engine.config import BUCKET_MODES, COMPILED_MODES, default_buckets, sparse_buckets
 from pcg_engine.engine import precompile
 
-COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
 PIECEWISE_MODES = BUCKET_MODES["cudagraph_buckets"]
 FULL_MODES = BUCKET_MODES["decode_buckets"]        # ("full_decode", "full_and_piecewise")
 

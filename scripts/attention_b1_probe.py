@@ -1,0 +1,110 @@
+"""Where batch-1 x 8192 decode attention's time goes (issue 4: 48% of the copy ceiling against 70%).
+
+    python scripts/attention_b1_probe.py [--json PATH]
+
+For Qwen3-0.6B's and 8B's heads (Hq 16 / 32, Hk 8, D 128) at one request of 8192 keys, with the
+engine's split count, times the call as bench_kernels.py does (rotating input sets in one CUDA
+graph) without PDL and inside pdl.scope(), the way the full decode graphs launch it; splits the
+time into the main kernel and the merge with the profiler over the same graph's replays; and times
+device-to-device copies that move the same bytes, one buffer pair per call, rotating like the
+attention inputs: the nearest thing to this size's own ceiling.
+"""
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import COPY_GBPS, AttentionShape, median_replay_ms  # noqa: E402
+
+from pcg_engine.attention.triton_attention import choose_num_splits  # noqa: E402
+from pcg_engine.kernels import pdl  # noqa: E402
+
+
+def graph_of(fn, calls):
+    fn_all = lambda: [fn(i) for i in range(calls)]  # noqa: E731
+    fn_all()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn_all()
+    for _ in range(3):
+        graph.replay()
+    return graph
+
+
+def kernel_split(graph, calls):
+    """Mean µs a call of each kernel name, from the profiler over 5 replays."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    total = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time
+    return {name[:60]: round(us / (5 * calls), 2) for name, us in total.items()}
+
+
+def attention(batch, ctx, hq, hk, use_pdl):
+    shape = AttentionShape(batch, ctx, 1, hq, hk)
+    splits = choose_num_splits(batch, batch, hq, hk, 128, 1, ctx, torch.device("cuda"))
+    scope = pdl.scope() if use_pdl else _null()
+    with scope:
+        graph = graph_of(lambda i: shape.call(i, splits), shape.calls)
+    us = median_replay_ms(graph, 20) * 1e3 / shape.calls
+    nbytes = shape.kv_bytes + 2 * batch * hq * 128 * 2
+    parts = kernel_split(graph, shape.calls)
+    err = shape.error(splits)
+    return {"shape": f"B{batch} ctx{ctx} Hq{hq} Hk{hk}", "pdl": use_pdl, "splits": splits, "us": round(us, 2),
+            "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3), "kernels_us": parts, "rel_error": err}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def copies(nbytes):
+    """A copy moving nbytes (reads nbytes / 2, writes nbytes / 2), on rotating buffer pairs."""
+    n = nbytes // 4   # bf16 elements of each half
+    sets = [(torch.empty(n, dtype=torch.bfloat16, device="cuda"), torch.empty(n, dtype=torch.bfloat16, device="cuda"))
+            for _ in range(8)]
+    graph = graph_of(lambda i: sets[i % 8][1].copy_(sets[i % 8][0]), 64)
+    us = median_replay_ms(graph, 20) * 1e3 / 64
+    return {"bytes_moved": nbytes, "us": round(us, 2), "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    for hq in (16, 32):
+        for use_pdl in (False, True):
+            r = attention(1, 8192, hq, 8, use_pdl)
+            rows.append(r)
+            print(json.dumps(r))
+    kv = 2 * 8192 * 8 * 128 * 2
+    for nbytes in (kv, 4 * kv, 64 * kv):
+        r = copies(nbytes)
+        rows.append(r)
+        print(json.dumps(r))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "torch": torch.__version__,
+                                               "device": torch.cuda.get_device_name()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
