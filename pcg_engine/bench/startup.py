@@ -151,7 +151,7 @@ def main(argv=None) -> int:
             cold_bytecode = run_once(model, config, fresh, prof("cold_bytecode"), pycache=os.path.join(root, "pycache"))
             runs.append(("cold, bytecode", cold_bytecode))
     rows = []
-    parts = ("imports_s", "device_init_s", "weight_load_s", "kv_cache_s", "background_import_wait_s", "dynamo_s", "inductor_s", "precompile_s",
+    parts = ("imports_s", "device_init_s", "weight_load_s", "kv_cache_s", "dynamo_s", "inductor_s", "precompile_s",
              "capture_s", "warmup_s", "gc_freeze_s")
     for name, r in runs:
         t = r["timings"]
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         rows.append([name, r["ready_s"], *(t.get(k) for k in parts), other, t.get("graph_pool_mib"),
                      t.get("late_variants"), t.get("saved_trace_loaded")])
     print_table(f"start-up ({cold['mode']})", ["run", "ready s", "imports s", "CUDA init s", "weights s", "KV cache s",
-                                                "import wait s", "dynamo s", "inductor s", "pre-compile s", "capture s", "warm-up s", "gc freeze s",
+                                                "dynamo s", "inductor s", "pre-compile s", "capture s", "warm-up s", "gc freeze s",
                                                 "other s", "graph pool MiB", "late variants", "trace loaded"], rows)
     if args.json:
         write_json(args.json, {"cold": cold, "warm": warm, "cold_bytecode": cold_bytecode, "config": config,

@@ -11,5 +11,4 @@
   full_graph.py  FullDecodeGraphs: one graph of the whole forward per decode batch bucket
   cache.py       the on-disk compile cache (Inductor's FX graph cache in a verified, private dir)
   setup.py       setup_compiled_modes(runner, progress): wires the modes into a ModelRunner
-  background_import.py  Dynamo and Inductor imported in a thread while the weights load
 """

@@ -26,7 +26,6 @@ from pcg_engine.attention.backend import kv_cache_shape, make_backend
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.op import bind_kv_caches
 from pcg_engine.attention.rope import rope_cache
-from pcg_engine.compile import background_import
 from pcg_engine.config import EngineConfig, default_buckets
 from pcg_engine.engine.input_batch import InputBatch, StepInputs
 from pcg_engine.engine import precompile
@@ -74,9 +73,6 @@ class ModelRunner:
         config.check_triton_usable(device.type)
         config.check_buckets_used(config.resolved_mode(device.type))   # mode "auto" is known from here
         self.dtype = config.torch_dtype(device.type)
-        # Dynamo and Inductor import while the device, the weights and the KV sizing wait on the GPU and
-        # the disk (compile/background_import.py); _setup_mode joins it.
-        self.background_import = background_import.start(config.resolved_mode(device.type))
         t0 = time.perf_counter()
         if device.type == "cuda":    # the CUDA context: seconds on a first use, not weight loading
             torch.zeros(1, device=device)
@@ -219,9 +215,6 @@ class ModelRunner:
 
     def _setup_mode(self, progress):
         mode = self.mode
-        if self.background_import is not None:
-            self.timings["background_import_wait_s"] = self.background_import.join()
-            self.timings["background_import_s"] = self.background_import.import_s
         if mode == "eager":
             return
         from pcg_engine.compile.setup import setup_compiled_modes
