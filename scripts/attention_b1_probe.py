@@ -7,7 +7,9 @@ engine's split count, times the call as bench_kernels.py does (rotating input se
 graph) without PDL and inside pdl.scope(), the way the full decode graphs launch it; splits the
 time into the main kernel and the merge with the profiler over the same graph's replays; and times
 device-to-device copies that move the same bytes, one buffer pair per call, rotating like the
-attention inputs: the nearest thing to this size's own ceiling.
+attention inputs: the nearest thing to this size's own ceiling. Also a read-only Triton kernel
+decomposed like the attention (PROGRAMS programs, each summing its share of the same 33.5 MB), and
+the attention at other split counts.
 """
 
 import argparse
@@ -17,6 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,6 +90,40 @@ def copies(nbytes):
     return {"bytes_moved": nbytes, "us": round(us, 2), "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3)}
 
 
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, PER_PROGRAM: tl.constexpr, TILE: tl.constexpr):
+    """Sums PER_PROGRAM contiguous elements, TILE at a time: a stream with no dependent loads."""
+    pid = tl.program_id(0)
+    base = x_ptr + pid.to(tl.int64) * PER_PROGRAM
+    acc = tl.zeros((TILE,), tl.float32)
+    for i in range(0, PER_PROGRAM, TILE):
+        acc += tl.load(base + i + tl.arange(0, TILE)).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+def reads(nbytes, programs, tile, warps):
+    n = nbytes // 2
+    sets = [torch.randn(n, dtype=torch.bfloat16, device="cuda") for _ in range(8)]
+    out = torch.empty(programs, dtype=torch.float32, device="cuda")
+    per = n // programs
+    graph = graph_of(lambda i: _read_kernel[(programs,)](sets[i % 8], out, PER_PROGRAM=per, TILE=tile,
+                                                        num_warps=warps), 64)
+    us = median_replay_ms(graph, 20) * 1e3 / 64
+    return {"read_bytes": nbytes, "programs": programs, "tile": tile, "warps": warps, "us": round(us, 2),
+            "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3)}
+
+
+def attention_splits(hq, splits):
+    from pcg_engine.attention import launch_config
+    launch_config.MAX_SPLITS = max(launch_config.MAX_SPLITS, splits)   # the engine caps at 64: a probe above it
+    shape = AttentionShape(1, 8192, 1, hq, 8)
+    graph = graph_of(lambda i: shape.call(i, splits), shape.calls)
+    us = median_replay_ms(graph, 20) * 1e3 / shape.calls
+    nbytes = shape.kv_bytes + 2 * hq * 128 * 2
+    return {"shape": f"B1 ctx8192 Hq{hq} Hk8", "splits": splits, "us": round(us, 2),
+            "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3), "rel_error": shape.error(splits)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
@@ -99,6 +137,14 @@ def main():
     kv = 2 * 8192 * 8 * 128 * 2
     for nbytes in (kv, 4 * kv, 64 * kv):
         r = copies(nbytes)
+        rows.append(r)
+        print(json.dumps(r))
+    for programs, tile, warps in ((512, 8192, 4), (512, 4096, 4), (1024, 4096, 4), (264, 8192, 8), (132, 8192, 8)):
+        r = reads(kv, programs, tile, warps)
+        rows.append(r)
+        print(json.dumps(r))
+    for splits in (48, 80, 96, 128):
+        r = attention_splits(16, splits)
         rows.append(r)
         print(json.dumps(r))
     if args.json:
