@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -66,13 +67,26 @@ def fraction(text: str) -> float:
     return value
 
 
+def temperature(text: str) -> float:
+    """An argparse type: a sampling temperature, a finite number >= 0 (0: greedy). SamplingParams
+    refuses the rest too, but only once the engine was built (a minute on a GPU)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 means greedy), got {text!r}") from None
+    if not 0 <= value < math.inf:      # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 means greedy), got {value}")
+    return value
+
+
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="checkpoint directory or preset name (tiny-qwen3, qwen3-0.6b, ...; built on first use)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--json", default=None, type=json_path, metavar="PATH", help="write the results as JSON here")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random dataset")
+    # numpy's generator takes seeds >= 0: a negative one failed inside numpy after the engine was built
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random dataset")
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -148,7 +148,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--range-ratio", type=common.fraction, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
     p.add_argument("--shared-prefix-len", type=common.int_at_least(0), default=0, help="random prefix shared by every prompt")
     p.add_argument("--dataset", default=None, help='JSONL: {"prompt": text or ids, "output_len": n} per line')
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=common.temperature, default=0.0)
     p.add_argument("--detokenize", action="store_true", help="detokenize outputs (off: time the engine only)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:200 tpot:20")
     p.add_argument("--warmup", type=common.int_at_least(0), default=2, help="warm-up requests per mode before measuring")
@@ -164,8 +164,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Refuse the float flags' values that cannot make a load test, naming the flag and its range,
-    before an engine is built (a minute on a GPU) rather than after; the integer flags and
-    --range-ratio are checked by their argparse types (common.int_at_least, common.fraction).
+    before an engine is built (a minute on a GPU) rather than after; the integer flags (--seed
+    among them), --range-ratio and --temperature are checked by their argparse types
+    (common.int_at_least, common.fraction, common.temperature).
     A run of 0 requests printed a table of zeros."""
     checks = [("--request-rate", args.request_rate, args.request_rate > 0, "a number > 0 (inf: all at once)"),
               ("--burstiness", args.burstiness, 0 < args.burstiness < float("inf"), "a number > 0"),
@@ -174,7 +175,6 @@ def check_args(args) -> None:
         checks.append(("--timeout", args.timeout, args.timeout > 0, "seconds > 0"))
     if args.sweep_start is not None:   # (0 was taken as "unset", a NaN swept at rate nan)
         checks.append(("--sweep-start", args.sweep_start, 0 < args.sweep_start < float("inf"), "a number > 0"))
-    checks.append(("--seed", args.seed, args.seed >= 0, "an integer >= 0 (numpy's generator)"))
     for flag, value, ok, allowed in checks:
         if not ok:   # (a NaN fails every comparison, so it lands here too)
             raise SystemExit(f"pcg bench load-test: {flag} must be {allowed}, got {value}")

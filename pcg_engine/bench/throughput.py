@@ -128,7 +128,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=common.int_at_least(1), default=None, help="instead of --input-min/max: len*(1±r)")
     p.add_argument("--output-len", type=common.int_at_least(1), default=None, help="instead of --output-min/max: len*(1±r)")
     p.add_argument("--range-ratio", type=common.fraction, default=0.0)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=common.temperature, default=0.0)
     p.add_argument("--warmup-prompts", type=common.int_at_least(0), default=4, help="short requests run before measuring")
     return p
 

@@ -513,7 +513,6 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--seed", "-1"], "--seed must be an integer >= 0"),
     (["--sweep-start", "0"], "--sweep-start must be a number > 0"),
     (["--sweep-start", "nan"], "--sweep-start must be a number > 0"),
     (["--sweep-start", "-1"], "--sweep-start must be a number > 0"),
@@ -523,6 +522,25 @@ def test_load_test_refuses_before_building_an_engine(flags, expected):
     was taken as unset and NaN swept at rate nan."""
     with pytest.raises(SystemExit, match=expected):
         load_test.check_args(load_test.make_parser().parse_args(flags))
+
+
+@pytest.mark.parametrize("module", [latency, throughput, load_test, overhead, profile])
+@pytest.mark.parametrize("flags, expected", [
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got -1.0"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got nan"),
+    (["--temperature", "hot"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got 'hot'"),
+])
+def test_seed_and_temperature_refused_at_parse_time(module, flags, expected, monkeypatch, capsys):
+    """Found by probing: --seed -1 was a numpy ValueError traceback (latency, throughput), and a
+    --temperature SamplingParams refuses was named only after the engine was built (throughput,
+    load-test; a minute on a GPU). Benchmarks without --temperature refuse it as unknown."""
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    if flags[0] == "--temperature" and module not in (throughput, load_test):
+        expected = "unrecognized arguments: --temperature"
+    with pytest.raises(SystemExit) as e:
+        module.main(["--model", "tiny-qwen3", "--device", "cpu", *flags])
+    assert e.value.code == 2 and expected in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("items, expected", [(["ttft:nan"], "finite number > 0"), (["ttft:inf"], "finite number > 0"),
