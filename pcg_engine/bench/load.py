@@ -51,8 +51,13 @@ def main(argv=None) -> int:
 
     from pcg_engine.models.loader import load_model, weight_files
 
+    from pcg_engine.config import EngineConfig
+
+    # The engine's own checks (a ConfigError naming --device / --dtype, one line from `pcg bench`):
+    # torch's RuntimeError for --device tpu and an AttributeError for --dtype bogus were tracebacks.
+    config = EngineConfig(device=args.device, dtype=args.dtype)
+    device = config.resolved_device()
     path = Path(resolve_model(args.model))
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     files = weight_files(path)
     total = sum(f.stat().st_size for f in files)
     largest = max(f.stat().st_size for f in files)
@@ -75,7 +80,7 @@ def main(argv=None) -> int:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = config.torch_dtype(torch.device(device).type)
     model = load_model(path, device=device, dtype=dtype)
     if device.startswith("cuda"):
         torch.cuda.synchronize()

@@ -316,6 +316,9 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
     (["startup", "--profile-dir", "{afile}/x"], "--profile-dir: '{afile}/x': {afile} is a file, not a directory"),
     # the child process's ConfigError traceback, before
     (["startup", "--mode", "piecwise"], "--mode: invalid choice: 'piecwise'"),
+    # bench load: torch's AttributeError / RuntimeError tracebacks, before
+    (["load", "--dtype", "bogus"], "error: --dtype (dtype): got 'bogus'; allowed: auto, bfloat16, float16, float32"),
+    (["load", "--device", "tpu"], "error: --device (device): got 'tpu'; allowed: auto, cpu, cuda or cuda:N"),
     # --input-min was dropped without a word, before
     (["throughput", "--input-len", "5", "--input-min", "7"],
      "error: pcg bench throughput: --input-len replaces --input-min/--input-max; give one or the other, "
@@ -327,7 +330,8 @@ def test_bench_flags_refused_before_running(tmp_path, capsys, argv, expected):
     afile.write_text("x")
     argv = [a.format(afile=afile) for a in argv]
     try:
-        code = cli.main(["bench", *argv, "--device", "cpu", "--model", "tiny-qwen3"])
+        device = [] if "--device" in argv else ["--device", "cpu"]
+        code = cli.main(["bench", *argv, *device, "--model", "tiny-qwen3"])
     except SystemExit as e:          # argparse's own refusal
         code = e.code
     err = capsys.readouterr().err
