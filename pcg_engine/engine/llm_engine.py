@@ -196,6 +196,15 @@ class LLMEngine:
                     raise InvalidRequestError("prompt", f"is text, but {self.lazy_tokenizer.missing()}; "
                                               "give token ids instead")
                 prompt_token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                beyond = max(prompt_token_ids, default=0)       # max: in C, not a per-token loop
+                if beyond >= self.vocab_size:
+                    # Not the caller's token ids: the checkpoint's tokenizer and config.json disagree,
+                    # and "prompt_token_ids: token ... outside the vocabulary" blamed ids never given.
+                    raise InvalidRequestError("prompt", f"the text encodes to token {beyond}, beyond the model's "
+                                              f"vocabulary 0..{self.vocab_size - 1} (config.json's vocab_size): "
+                                              f"the tokenizer of {self.model_path} holds {len(self.tokenizer)} "
+                                              "tokens, more than the model; the tokenizer and config.json are "
+                                              "not of the same model")
             elif isinstance(prompt, (list, tuple)):
                 prompt_token_ids = prompt
             elif getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):

@@ -190,3 +190,36 @@ def test_tokenizer_eos_outside_the_model_vocabulary_is_refused(tok_copy):
         eos_token_ids(tok_copy, LazyTokenizer(tok_copy), vocab_size=1024)
     assert str(info.value) == (f"{tok_copy}: the tokenizer's eos token has id 5000, outside the model's vocabulary; "
                                "allowed: 0..1023 (config.json's vocab_size)")
+
+
+
+def test_text_beyond_a_smaller_model_vocabulary_names_the_tokenizer(dense_path, tok_copy):
+    """Found by probing: a tokenizer larger than config.json's vocab_size (the two of different
+    models) encoded some text to ids the model has no row for, and the refusal read
+    "prompt_token_ids: token 797 at position 0 is outside the vocabulary": ids the caller never gave.
+    Now the text prompt is refused naming the mismatch; the batch keeps running and nothing is queued."""
+    from safetensors.torch import load_file, save_file
+
+    from pcg_engine.errors import InvalidRequestError
+    vocab = 512                                      # the tokenizer holds 1024 tokens
+    weights = load_file(str(dense_path / "model.safetensors"))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:vocab].clone()   # tied head
+    save_file(weights, str(tok_copy / "model.safetensors"))
+    _edit(tok_copy, "config.json", lambda d: d.update(vocab_size=vocab))
+    llm = make_llm(tok_copy)
+    text = "zebra quantum xylophone"
+    assert max(llm.tokenizer.encode(text)) >= vocab
+    engine = llm.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False), request_id="a")
+    engine.step()
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(text, SamplingParams(max_tokens=2))
+    assert info.value.field == "prompt"
+    assert str(info.value).startswith(f"prompt: the text encodes to token {max(llm.tokenizer.encode(text))}, "
+                                      f"beyond the model's vocabulary 0..{vocab - 1} (config.json's vocab_size): "
+                                      f"the tokenizer of {tok_copy} holds 1024 tokens")
+    assert list(engine.requests) == ["a"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.requests and engine.block_manager.num_used_blocks == 0
+    llm.close()
