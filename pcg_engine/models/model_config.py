@@ -86,7 +86,10 @@ _COMMON = {
     "head_dim": (("head_dim",), _positive_int, "an int > 0", None),
     "intermediate_size": (("intermediate_size",), _positive_int, "an int > 0", None),
     "rms_norm_eps": (("rms_norm_eps",), _positive_number, "a number > 0", 1e-6),
-    "max_position_embeddings": (("max_position_embeddings",), _positive_int, "an int > 0", 32768),
+    # >= 2: a prompt token and one new one (EngineConfig's max_model_len bound). 1 was taken, and
+    # every request refused ("allowed: at most 0 prompt tokens"), a max_model_len with "allowed: 2..1".
+    "max_position_embeddings": (("max_position_embeddings",), lambda v: _positive_int(v) and v >= 2,
+                                "an int >= 2", 32768),
     "tie_word_embeddings": (("tie_word_embeddings",), lambda v: isinstance(v, bool), "true or false", False),
 }
 _MOE = {

@@ -79,6 +79,9 @@ def test_missing_moe_field_is_named():
     ("num_attention_heads", True, "'num_attention_heads' is True"),
     ("rms_norm_eps", -1.0, "'rms_norm_eps' is -1.0; allowed: a number > 0"),
     ("tie_word_embeddings", 1, "'tie_word_embeddings' is 1; allowed: true or false"),
+    # found by probing: 1 was taken; every request was then refused, a max_model_len "allowed: 2..1"
+    ("max_position_embeddings", 1, "'max_position_embeddings' is 1; allowed: an int >= 2"),
+    ("max_position_embeddings", 0, "'max_position_embeddings' is 0; allowed: an int >= 2"),
     ("num_key_value_heads", 3, "num_attention_heads \\(4\\) must be a multiple of num_key_value_heads \\(3\\)"),
     ("rope_theta", 5.0, "'rope_theta' and 'rope_parameters.rope_theta' disagree"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope_type 'yarn'"),
