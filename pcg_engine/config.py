@@ -106,6 +106,10 @@ class EngineConfig:
 
         def is_real(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)
+        # A checkpoint directory: "" (or blank) named the working directory without a word.
+        check("model", self.model is None or isinstance(self.model, os.PathLike)
+              or (isinstance(self.model, str) and self.model.strip() != ""),
+              "None (the bundled tiny model) or a checkpoint directory path")
         check("block_size", is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
               "a power of two from 1 to 128")
         check("num_kv_blocks", self.num_kv_blocks is None or (is_int(self.num_kv_blocks)

@@ -9,6 +9,7 @@ Keyword arguments are EngineConfig fields; an unknown one is refused by name.
 """
 
 import numbers
+import os
 from collections.abc import Iterator, Sequence
 
 from pcg_engine.config import EngineConfig
@@ -20,7 +21,11 @@ from pcg_engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, progress=None, **config):
-        self.config = EngineConfig.from_kwargs(model=None if model is None else str(model), **config)
+        # A path object as its string; anything else reaches EngineConfig's check as given (str()
+        # made LLM(123) look for a directory "123", and bytes one named "b'/path'").
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        self.config = EngineConfig.from_kwargs(model=model, **config)
         self.engine = LLMEngine(self.config, progress=progress)
 
     @property

@@ -69,6 +69,25 @@ def test_fields_of_the_right_type_still_pass(tmp_path):
     assert config.seed == -1 and config.compile_cache_dir == tmp_path
 
 
+@pytest.mark.parametrize("model", [123, b"/tmp", "", "  ", ["/tmp"]])
+def test_model_that_is_not_a_directory_path_is_named(model):
+    """Found by probing: LLM(123) looked for a directory "123", LLM(b"/path") for one named
+    "b'/path'", and LLM("") loaded the working directory (or failed with "config.json: missing")."""
+    from pcg_engine.llm import LLM
+    with pytest.raises(ConfigError) as e:
+        LLM(model, device="cpu")
+    assert e.value.field == "model"
+    assert str(e.value) == f"model: got {model!r}; allowed: None (the bundled tiny model) or a checkpoint directory path"
+
+
+def test_model_as_a_path_object_is_taken(tiny_paths):
+    from pcg_engine.llm import LLM
+    llm = LLM(tiny_paths["tiny-qwen3"], device="cpu", max_model_len=64)      # a pathlib.Path
+    assert llm.config.model == str(tiny_paths["tiny-qwen3"])
+    llm.close()
+    assert EngineConfig(model=tiny_paths["tiny-qwen3"]).model == tiny_paths["tiny-qwen3"]
+
+
 def test_max_model_len_beyond_the_checkpoint_is_refused(tiny_paths):
     """max_model_len above config.json's max_position_embeddings (4096 for tiny-qwen3) is refused
     before the weights load; up to it is fine."""
