@@ -288,13 +288,30 @@ def run(args: argparse.Namespace) -> Path:
     if out.is_dir() and any(out.iterdir()) and not getattr(args, "overwrite", False):
         raise SystemExit(f"pcg make-model: --out: {args.out} is not empty; give a new or empty directory, "
                          "or --overwrite to replace its checkpoint files")
+    existed = out.exists()
+    fresh = not existed or not any(out.iterdir())     # nothing of anyone's in it yet
     try:
         path = make_checkpoint(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size,
                                dtype=args.dtype, device=args.device)
-    except ConfigError as e:
-        raise SystemExit(f"pcg make-model: {e}") from None
-    except OSError as e:
-        raise SystemExit(f"pcg make-model: --out: cannot write the checkpoint in {args.out}: "
-                         f"{e.strerror or e}") from None
+    except BaseException as e:
+        # A write that failed part way (disk full, Ctrl-C) left config.json without all its weights:
+        # a directory that looked like a checkpoint and that a re-run refused as "not empty".
+        # What this run wrote goes where --out was new or empty; with --overwrite the old files
+        # were already replaced, so there is nothing to put back.
+        if fresh and out.is_dir():
+            if existed:
+                for child in out.iterdir():      # the directory stays, empty as it was given
+                    if child.is_dir():
+                        shutil.rmtree(child, ignore_errors=True)
+                    else:
+                        child.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(out, ignore_errors=True)
+        if isinstance(e, ConfigError):
+            raise SystemExit(f"pcg make-model: {e}") from None
+        if isinstance(e, OSError):
+            raise SystemExit(f"pcg make-model: --out: cannot write the checkpoint in {args.out}: "
+                             f"{e.strerror or e}") from None
+        raise
     print(path)
     return path

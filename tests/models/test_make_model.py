@@ -239,3 +239,27 @@ def test_cli_out_that_cannot_be_a_directory(tmp_path):
         cm.run(_cli_args(a_file))
     with pytest.raises(SystemExit, match="--out: cannot write the checkpoint in"):
         cm.run(_cli_args(a_file / "below"))      # a directory under a file
+
+
+@pytest.mark.parametrize("error, message", [
+    (OSError(28, "No space left on device"), "--out: cannot write the checkpoint in .*: No space left on device"),
+    (KeyboardInterrupt(), None),
+])
+@pytest.mark.parametrize("given", ["new", "empty"])
+def test_cli_write_that_fails_part_way_leaves_nothing_behind(tmp_path, monkeypatch, error, message, given):
+    """Found by probing: a write that failed after config.json and the tokenizer (disk full, Ctrl-C)
+    left a directory that looked like a checkpoint, without its weights, and a re-run refused it as
+    "not empty". A new --out is removed, an empty one emptied again."""
+    out = tmp_path / "m"
+    if given == "empty":
+        out.mkdir()
+
+    def fail(out_dir, *args, **kwargs):
+        (out_dir / "model-00001-of-00002.safetensors").write_bytes(b"half")
+        raise error
+    monkeypatch.setattr(cm, "_write_weights", fail)
+    with pytest.raises(SystemExit if message else KeyboardInterrupt, match=message):
+        cm.run(_cli_args(out))
+    assert (list(out.iterdir()) == []) if given == "empty" else not out.exists()
+    monkeypatch.undo()
+    assert (cm.run(_cli_args(out)) / "model.safetensors").exists()       # the re-run is not refused
