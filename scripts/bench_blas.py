@@ -14,6 +14,10 @@ Variants (--variants): `cublas` / `cublaslt` are F.linear on the [N, K] weight a
 it (cuBLAS sees the "TN" case); `cublas_nn` / `cublaslt_nn` multiply by the same weight stored
 transposed, [K, N] contiguous (the "NN" case: the library's heuristic picks other kernels for it);
 `mv` is torch.mv on the [N, K] weight, one row only (PyTorch's matrix-vector path).
+`nn_bmmS` / `tn_bmmS` (S = 2, 3, 4): the split-K done by hand, as one strided-batched GEMM over S
+slices of K with fp32 outputs (`torch.bmm(..., out_dtype=torch.float32)`), on the transposed / the
+checkpoint layout; the S partials are left unsummed (a consumer kernel would add them, as cuBLAS's
+own split-K reduce kernel does now); `nn_bmm2_bf16` the same with bf16 partials.
 """
 
 from __future__ import annotations
@@ -32,7 +36,19 @@ from bench_skinny_gemm import SHAPES as PROJECTIONS, ring_time_us  # noqa: E402
 SHAPES = {**PROJECTIONS, "8B lm_head": (151936, 4096)}   # 0.6B ties its head to the embedding
 
 COPY_CEILING_GBS = 4250.0   # the H200's measured copy bandwidth (BENCHMARKS.md)
-VARIANTS = ("cublas", "cublaslt", "cublas_nn", "cublaslt_nn", "mv")
+VARIANTS = ("cublas", "cublaslt", "cublas_nn", "cublaslt_nn", "mv", "nn_bmm2", "nn_bmm3", "nn_bmm4", "tn_bmm2",
+            "tn_bmm4", "nn_bmm2_bf16")
+
+
+def split_k(x, w, splits: int, transposed: bool, fp32: bool = True):
+    """x [M, K] @ (w [N, K] or wt [K, N]) as `splits` partial products [S, M, N] over slices of K."""
+    m, k = x.shape
+    xs = x.view(m, splits, k // splits).transpose(0, 1)                 # [S, M, K/S]
+    if transposed:
+        ws = w.view(splits, k // splits, w.shape[1])                     # [S, K/S, N], contiguous slices
+    else:
+        ws = w.view(w.shape[0], splits, k // splits).permute(1, 2, 0)   # [S, K/S, N], strides (K/S, 1, K)
+    return torch.bmm(xs, ws, out_dtype=torch.float32) if fp32 else torch.bmm(xs, ws)
 
 
 def main(argv=None) -> int:
@@ -58,7 +74,7 @@ def main(argv=None) -> int:
         copies = max(2, int(args.ring_bytes // (n * k * 2)))
         weights = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(copies)]
         transposed = ([w.t().contiguous() for w in weights]
-                      if any(v.endswith("_nn") for v in variants) else [])
+                      if any(v.endswith("_nn") or v.startswith("nn_") for v in variants) else [])
         floor_us = n * k * 2 / (COPY_CEILING_GBS * 1e3)
         for m in rows_list:
             x = torch.randn(m, k, device=dev, dtype=dtype)
@@ -68,14 +84,20 @@ def main(argv=None) -> int:
                      "cublaslt": (lambda w: F.linear(x, w), weights),
                      "cublas_nn": (lambda wt: torch.mm(x, wt), transposed),
                      "cublaslt_nn": (lambda wt: torch.mm(x, wt), transposed),
-                     "mv": (lambda w: torch.mv(w, x[0]).unsqueeze(0), weights)}
-            run = [v for v in variants if v != "mv" or m == 1]
+                     "mv": (lambda w: torch.mv(w, x[0]).unsqueeze(0), weights),
+                     "nn_bmm2_bf16": (lambda wt: split_k(x, wt, 2, True, fp32=False), transposed)}
+            for sp in (2, 3, 4):
+                calls[f"nn_bmm{sp}"] = (lambda wt, sp=sp: split_k(x, wt, sp, True), transposed)
+                calls[f"tn_bmm{sp}"] = (lambda w, sp=sp: split_k(x, w, sp, False), weights)
+            run = [v for v in variants if (v != "mv" or m == 1) and not ("bmm" in v and k % int(v[6]) != 0)]
             times = {v: [] for v in run}
             for _ in range(args.rounds):
                 for v in run:
                     torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in v else "cublas")
                     fn, ring = calls[v]
-                    err = (fn(ring[0]) - ref).abs().max().item()
+                    got = fn(ring[0])
+                    got = got.float().sum(0).to(ref.dtype) if "bmm" in v else got
+                    err = (got - ref).abs().max().item()
                     if err > 1e-2 * ref.abs().max().item() + 1e-3:
                         raise AssertionError(f"{name} rows={m}: {v} differs from cublas by {err}")
                     times[v].append(ring_time_us(fn, ring))

@@ -27,9 +27,12 @@ from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D,
-                     stride_x, stride_r, stride_o, stride_ro, eps,
+                     stride_x, stride_r, stride_o, stride_ro, eps, stride_xs,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PDL: tl.constexpr):
+                     NUM_PARTIALS: tl.constexpr, PDL: tl.constexpr):
+    # NUM_PARTIALS > 1: x is a projection's split-K partials [S, rows, D] in fp32 (kernels/split_k.py,
+    # S slices stride_xs apart); their sum, rounded to the activation dtype as the projection's
+    # output would be, is the x added to the residual.
     if PDL:  # kernels/pdl.py: x and the residual come from the kernels before
         gdc_wait()
         gdc_launch_dependents()
@@ -40,6 +43,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D,
     col_ok = cols < D
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NUM_PARTIALS > 1:
+        for s in tl.static_range(1, NUM_PARTIALS):
+            x += tl.load(x_ptr + s * stride_xs + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(res_out_ptr.dtype.element_ty)
@@ -82,10 +89,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
     return d
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, partials=None):
+    """partials: a projection's split-K partials [S, rows, D] (fp32) standing in for x, which then
+    only gives the shape and dtype of the outputs (residual)."""
     d = _check(x, weight, residual)
-    x2 = _rows(x, d)
-    n = x2.shape[0]
+    x2 = _rows(x, d) if partials is None else partials
+    n = x2.shape[-2]
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if residual is None:
         r2 = res_out = x2  # unused: HAS_RESIDUAL=False compiles the loads and stores away
@@ -96,8 +105,10 @@ def _launch(x, residual, weight, eps):
         block_r, block_d, num_warps = _launch_config(n, d)
         _rms_norm_kernel[(triton.cdiv(n, block_r),)](
             x2, r2, weight.contiguous(), out, res_out, n, d,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
+            x2.stride(-2), r2.stride(0), out.stride(0), res_out.stride(0), float(eps),
+            x2.stride(0) if partials is not None else 0,
+            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+            NUM_PARTIALS=1 if partials is None else partials.shape[0], num_warps=num_warps,
             **pdl.launch_kwargs(x.device))
     return out.view(x.shape), res_out.view(x.shape)
 
@@ -111,6 +122,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight, x + residual) in one pass; both in x.dtype."""
     return _launch(x, residual, weight, eps)
+
+
+def add_rms_norm_partials(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(x, residual, ...) where x = partials.sum(0) rounded to residual's dtype:
+    partials [S, rows, D] fp32 from kernels/split_k.py, residual [rows, D]; one pass, one launch."""
+    if partials.dim() != 3 or partials.dtype != torch.float32 or partials.shape[1:] != residual.shape \
+            or partials.stride(-1) != 1 or partials.device != residual.device:
+        raise ValueError(f"partials: expected [S, {', '.join(map(str, residual.shape))}] float32 on "
+                         f"{residual.device}, last dim contiguous; got {tuple(partials.shape)} {partials.dtype} "
+                         f"on {partials.device}")
+    return _launch(residual, residual, weight, eps, partials=partials)
+
+
+def add_rms_norm_partials_ref(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_rms_norm_ref(partials.sum(0).to(residual.dtype), residual, weight, eps)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

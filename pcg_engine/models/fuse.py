@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 
+from pcg_engine.kernels import split_k
 from pcg_engine.models.layers import Linear, RMSNorm, concat_linear
 
 # PCG_WEIGHT_NN=0 keeps every projection's weight [N, K] contiguous as the checkpoint stores it (an
@@ -70,11 +71,18 @@ def store_transposed(model):
 
 
 def set_kernels(model, kernels: bool):
-    """Route norms, activation and MoE through the Triton custom ops (CUDA) or plain PyTorch."""
+    """Route norms, activation and MoE through the Triton custom ops (CUDA) or plain PyTorch; with
+    kernels on CUDA, the few-row o and down projections of a measured shape split K by hand
+    (kernels/split_k.py) unless the skinny GEMM serves them."""
     for module in model.modules():
         if hasattr(module, "use_kernels"):
             # A module may decline (layers.Linear: no measured kernel win for its shape).
             module.use_kernels = kernels and getattr(module, "kernel_applies", lambda: True)()
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            wanted = (kernels and not module.use_kernels and module.weight.is_cuda
+                      and name.rsplit(".", 1)[-1] in split_k.SPLIT_K_PROJECTIONS)
+            module.split_k = split_k.splits_for(*module.weight.shape) if wanted else 0
     model.kernels = kernels
     return model
 

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pcg_engine.kernels import split_k
 from pcg_engine.kernels.activation import silu_and_mul_ref
-from pcg_engine.kernels.norm import add_rms_norm_ref, rms_norm_ref
+from pcg_engine.kernels.norm import add_rms_norm_partials, add_rms_norm_partials_ref, add_rms_norm_ref, rms_norm_ref
 
 
 def _kernel_ops():
@@ -29,6 +30,11 @@ class RMSNorm(nn.Module):
         self.use_kernels = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None and x.dim() == residual.dim() + 1:
+            # x: split-K partials of the projection before (kernels/split_k.py); eager steps only,
+            # never traced (Linear.forward), so a direct kernel call, not a custom op.
+            fn = add_rms_norm_partials if self.use_kernels else add_rms_norm_partials_ref
+            return fn(x, residual, self.weight, self.eps)
         if residual is None:
             if self.use_kernels:
                 return _kernel_ops().rms_norm(x, self.weight, self.eps)
@@ -71,17 +77,27 @@ class Linear(Projection):
     With kernels on, it calls torch.ops.pcg.linear, which picks kernels/skinny_gemm.py's kernel for
     up to 16 rows of a shape measured to beat cuBLAS there and F.linear otherwise. Shapes with no
     measured win keep plain F.linear (`kernel_applies`), so they pay no custom-op call in eager steps.
+
+    split_k > 0 (set by models/fuse.py for o_proj and down_proj, see kernels/split_k.py): an eager
+    call of up to split_k.MAX_ROWS rows returns the fp32 partial products [S, rows, N] instead of the
+    output, for the add + RMSNorm after it (RMSNorm.forward) to sum.
     """
 
     def __init__(self, in_features: int, out_features: int, **kwargs):
         super().__init__(in_features, out_features, **kwargs)
         self.use_kernels = False
+        self.split_k = 0
 
     def kernel_applies(self) -> bool:
         from pcg_engine.kernels.skinny_gemm import has_tuned
         return has_tuned(*self.weight.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Not under torch.compile (tested before the token count, which is symbolic in a trace and
+        # must not be branched on), and a compiled prefill step must not pay for partials anyway.
+        if self.split_k and not torch.compiler.is_compiling() and x.dim() == 2 \
+                and 0 < x.shape[0] <= split_k.MAX_ROWS:
+            return split_k.partials(x, self.weight, self.split_k)
         if self.use_kernels:
             return _kernel_ops().linear(x, self.weight)
         return F.linear(x, self.weight)

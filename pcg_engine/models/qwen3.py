@@ -112,14 +112,16 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual = h
             h = attn(positions, self.input_layernorm(h))
-        elif _folds(self.input_layernorm, getattr(attn, "qkv_proj", None)):
+        elif h.dim() == 2 and _folds(self.input_layernorm, getattr(attn, "qkv_proj", None)):
+            # (h.dim() == 3: split-K partials of the down projection, which the plain norm sums)
             ln = self.input_layernorm
             qkv, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps, attn.qkv_proj.weight)
             h = attn.attend(positions, *attn.split_qkv(qkv))
         else:
             h, residual = self.input_layernorm(h, residual)
             h = attn(positions, h)
-        if isinstance(mlp, MLP) and _folds(self.post_attention_layernorm, getattr(mlp, "gate_up_proj", None)):
+        if isinstance(mlp, MLP) and h.dim() == 2 and _folds(self.post_attention_layernorm,
+                                                            getattr(mlp, "gate_up_proj", None)):
             ln = self.post_attention_layernorm
             gate_up, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps,
                                                                   mlp.gate_up_proj.weight)

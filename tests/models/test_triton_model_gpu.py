@@ -92,3 +92,40 @@ def test_cuda_projections_stored_transposed_give_the_same_logits(tmp_path_factor
     monkeypatch.setattr(fuse_module, "_WEIGHT_NN", False)
     stored = prefill_logits(path, "triton", True, "float32", prompts)
     torch.testing.assert_close(transposed, stored, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_decode"])
+def test_split_k_projections_give_the_same_tokens(tmp_path_factory, monkeypatch, mode):
+    """kernels/split_k.py on the tiny model's o and down shapes (both [64, 128]): the steps of up to
+    MAX_ROWS tokens (eager, and the full decode graphs, which capture the eager forward) take the
+    split, and the greedy tokens in fp32 equal those without it; in bf16 (bmm with fp32 outputs)
+    the prefill logits of a 3-token step stay within bf16 rounding of the plain path's."""
+    from pcg_engine.kernels import split_k
+    from pcg_engine.models.layers import Linear
+    path = build_tiny(tmp_path_factory.getbasetemp(), "tiny-qwen3")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 3, 9)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    calls = []
+    real = split_k.partials
+    monkeypatch.setattr(split_k, "partials", lambda x, w, s: calls.append(x.shape[0]) or real(x, w, s))
+
+    def tokens(table):
+        monkeypatch.setattr(split_k, "SPLIT_K", table)
+        llm = LLM(str(path), device="cuda", dtype="float32", mode=mode, num_kv_blocks=128, max_num_seqs=4,
+                  max_num_batched_tokens=64)
+        split = [m.split_k for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.split_k]
+        out = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+        return out, split
+
+    plain, none = tokens({})
+    assert none == [] and calls == []
+    split, taken = tokens({(64, 128): 4})
+    assert taken == [4] * 8 and calls and max(calls) <= split_k.MAX_ROWS
+    assert split == plain
+    monkeypatch.setattr(split_k, "SPLIT_K", {(64, 128): 4})
+    bf16_split = prefill_logits(path, "triton", True, "bfloat16", [[5, 6], [7]])
+    monkeypatch.setattr(split_k, "SPLIT_K", {})
+    bf16_plain = prefill_logits(path, "triton", True, "bfloat16", [[5, 6], [7]])
+    torch.testing.assert_close(bf16_split, bf16_plain, rtol=3e-2, atol=3e-2)
