@@ -66,3 +66,44 @@ def test_only_measured_shapes_split_and_the_switch_turns_it_off(monkeypatch):
     assert split_k.splits_for(1024, 2048) == 0
     monkeypatch.setattr(split_k, "ENABLED", False)
     assert split_k.splits_for(4096, 4096) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288)], ids=["8B-o", "8B-down"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_real_shapes_bf16(n, k, rows, rel_err):
+    """At Qwen3-8B's o and down shapes in bf16: the bmm's partials sum to F.linear's output within
+    bf16 rounding, and the partial norm matches the reference (the fp32 sum's order may differ from
+    torch's, so a rounding of the residual may too: a tolerance, not equality)."""
+    w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t().contiguous().t()
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    parts = split_k.partials(x, w, 4)
+    assert parts.dtype == torch.float32
+    plain = torch.nn.functional.linear(x, w)
+    assert rel_err(parts.sum(0), plain) <= 1e-2
+    residual = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(n, device="cuda")).bfloat16()
+    out, new_res = add_rms_norm_partials(parts, residual, nw, 1e-6)
+    ref_out, ref_res = add_rms_norm_partials_ref(parts, residual, nw, 1e-6)
+    assert rel_err(new_res, ref_res) <= 1e-2
+    assert rel_err(out, ref_out) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_inputs(rel_err):
+    n, k = 4096, 4096
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t().contiguous().t()
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+    nw = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+    add_rms_norm_partials(split_k.partials(x, w, 4), residual, nw, 1e-6)   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, new_res = add_rms_norm_partials(split_k.partials(x, w, 4), residual, nw, 1e-6)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        graph.replay()
+        ref_out, ref_res = add_rms_norm_partials_ref(split_k.partials(x, w, 4), residual, nw, 1e-6)
+        assert rel_err(new_res, ref_res) <= 1e-2
+        assert rel_err(out, ref_out) <= 1e-2
