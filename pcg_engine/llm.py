@@ -109,21 +109,30 @@ class LLM:
 
         Other requests added to the engine meanwhile keep running alongside."""
         rid = self.engine.add_request(prompt, sampling_params)
-        others: list[RequestOutput] = []
         try:
             while True:
-                mine = []
+                mine, others = [], []
                 for out in self.engine.step():
-                    (mine if out.request_id == rid else others).append(out)   # others: kept for their owner
+                    (mine if out.request_id == rid else others).append(out)
+                # Other requests' outputs go back to the engine now, before yielding, not when this
+                # stream ends: while it is suspended, whoever steps next (another stream, most
+                # often) must get them. Kept here until the end, a stream iterated alternately with
+                # another lost the other's deltas, and when the other request's final output was
+                # among them, the other stream stepped an idle engine forever.
+                self.engine.pending_outputs[:0] = others
                 for out in mine:
                     yield out
                     if out.finished:
                         return
+                if rid not in self.engine.requests and all(o.request_id != rid
+                                                           for o in self.engine.pending_outputs):
+                    # Finished, but its final output went to someone else's engine.step(): no
+                    # step will ever bring it here.
+                    raise RuntimeError(f"request {rid!r} of this stream finished, but its final output was "
+                                       "taken by another caller of engine.step()")
         finally:
             # The caller stopped early: don't leak its blocks, nor leave its abort output behind.
             self._abandon([rid])
-            # Other requests' outputs stay with the engine: its next step() returns them first.
-            self.engine.pending_outputs[:0] = others
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block, so the next prompt is computed in full; False (and

@@ -273,6 +273,59 @@ def test_generate_and_stream_leave_other_requests_outputs_to_their_owner(llm, ba
         assert_drained(engine)
 
 
+def _fail_if_spinning(engine, monkeypatch, max_steps: int = 100) -> None:
+    """Fail, rather than hang, when a stream keeps stepping an idle engine."""
+    real_step, steps = engine.step, []
+
+    def step():
+        steps.append(1)
+        assert len(steps) < max_steps, "a stream kept stepping an idle engine"
+        return real_step()
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_streams_advanced_in_turn_each_get_all_their_outputs(llm, monkeypatch):
+    """Two LLM.stream generators advanced alternately: a step run by one brings outputs of the
+    other, which must reach the other. (Found by a fuzzer: the stepping stream kept them until it
+    ended, so the other lost those deltas, and when its final output was among them it stepped the
+    idle engine forever.)"""
+    engine = llm.engine
+    prompts = random_prompts([5, 7], seed=22)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 4)]
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    _fail_if_spinning(engine, monkeypatch)
+    streams = [llm.stream(p, sp) for p, sp in zip(prompts, params)]
+    deltas, finals, ids = [[], []], [None, None], [set(), set()]
+    while None in finals:
+        for i, stream in enumerate(streams):
+            if finals[i] is None:
+                out = next(stream)
+                ids[i].add(out.request_id)
+                deltas[i] += out.new_token_ids
+                if out.finished:
+                    finals[i] = out
+    for stream in streams:
+        stream.close()
+    assert deltas == want and [f.token_ids for f in finals] == want
+    assert all(len(i) == 1 for i in ids) and ids[0] != ids[1]
+    assert not engine.has_unfinished_requests()
+    assert_drained(engine)
+
+
+def test_stream_whose_final_output_another_caller_took_raises(llm, monkeypatch):
+    """A caller stepping the engine itself while a stream is suspended takes the stream's outputs;
+    once the request has finished the stream raises instead of stepping an idle engine forever."""
+    engine = llm.engine
+    stream = llm.stream(_prompt(), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    rid = next(stream).request_id
+    taken = drain(engine)
+    assert taken[rid].finished
+    _fail_if_spinning(engine, monkeypatch)
+    with pytest.raises(RuntimeError, match="taken by another caller"):
+        next(stream)
+    assert_drained(engine)
+
+
 def test_stream_stopped_early_leaves_no_output_behind(llm):
     engine = llm.engine
     stream = llm.stream(_prompt(), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
