@@ -77,6 +77,12 @@ def norm_cases(add):
                             (preset("qwen3-8b"), 1, True), (preset("tiny-qwen3"), 5, False)):
         x = empty(rows, m.hidden, dtype=m.dtype)
         add(f"add_rms_norm {m.name} T={rows}", pdl_on, add_rms_norm, x, x.clone(), empty(m.hidden, dtype=m.dtype))
+    from pcg_engine.kernels.norm import add_rms_norm_partials
+    m = preset("qwen3-8b")   # kernels/split_k.py: o / down partials summed by the norm after them
+    for rows in (1, 4):
+        add(f"add_rms_norm_partials 8b T={rows} S=4", True, add_rms_norm_partials,
+            empty(4, rows, m.hidden, dtype=torch.float32), empty(rows, m.hidden, dtype=m.dtype),
+            empty(m.hidden, dtype=m.dtype))
     m = preset("qwen3-0.6b")
     add("rms_norm 0.6b T=1 (first layer)", True, rms_norm, empty(1, m.hidden, dtype=m.dtype),
         empty(m.hidden, dtype=m.dtype))
