@@ -164,16 +164,33 @@ def make_checkpoint(preset: str, out_dir: str | os.PathLike, seed: int = 0,
     _check_device(device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # A re-run with another shard count must not leave shards of the previous run behind.
-    for stale in out.glob("model*.safetensors*"):
-        stale.unlink()
-
-    config = presets.config_json(preset, dtype_name)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_generation_config(out)
-    tokenizer_maker.save_tokenizer(out, spec.tokenizer_vocab, config["max_position_embeddings"])
-    _write_weights(out, tensor_specs(spec.fields), spec.tiny, seed, torch_dtype, device, max_bytes)
+    # Everything is written aside, in a hidden directory inside `out` (the same file system, and a
+    # place we may write), and moved in only once complete: a run that fails part way (disk full,
+    # Ctrl-C) leaves what `out` held untouched. Before, an --overwrite run that failed left the
+    # old shards deleted and the new config beside half the new weights.
+    staging = Path(tempfile.mkdtemp(prefix=".make-model-", dir=out))
+    try:
+        config = presets.config_json(preset, dtype_name)
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_generation_config(staging)
+        tokenizer_maker.save_tokenizer(staging, spec.tokenizer_vocab, config["max_position_embeddings"])
+        _write_weights(staging, tensor_specs(spec.fields), spec.tiny, seed, torch_dtype, device, max_bytes)
+        _move_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _move_in(staging: Path, out: Path) -> None:
+    """Replace `out`'s checkpoint files by the complete set written in `staging`: renames within one
+    file system, no data written, so nothing here runs out of space or takes long."""
+    new = sorted(p.name for p in staging.iterdir())
+    # A re-run with another shard count must not leave shards (or an index) of the previous run behind.
+    for stale in out.glob("model*.safetensors*"):
+        if stale.name not in new:
+            stale.unlink()
+    for name in new:
+        os.replace(staging / name, out / name)
 
 
 def _check_device(device: str) -> None:
@@ -294,10 +311,10 @@ def run(args: argparse.Namespace) -> Path:
         path = make_checkpoint(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size,
                                dtype=args.dtype, device=args.device)
     except BaseException as e:
-        # A write that failed part way (disk full, Ctrl-C) left config.json without all its weights:
-        # a directory that looked like a checkpoint and that a re-run refused as "not empty".
-        # What this run wrote goes where --out was new or empty; with --overwrite the old files
-        # were already replaced, so there is nothing to put back.
+        # make_checkpoint removed what it had written aside; a directory it created for a new --out
+        # goes too (a re-run must not be refused as "not empty"), an empty one is emptied again.
+        # With --overwrite the old checkpoint files were not touched (they are replaced only once
+        # the new set is complete).
         if fresh and out.is_dir():
             if existed:
                 for child in out.iterdir():      # the directory stays, empty as it was given

@@ -263,3 +263,35 @@ def test_cli_write_that_fails_part_way_leaves_nothing_behind(tmp_path, monkeypat
     assert (list(out.iterdir()) == []) if given == "empty" else not out.exists()
     monkeypatch.undo()
     assert (cm.run(_cli_args(out)) / "model.safetensors").exists()       # the re-run is not refused
+
+
+@pytest.mark.parametrize("error, message", [
+    (OSError(28, "No space left on device"), "--out: cannot write the checkpoint in .*: No space left on device"),
+    (KeyboardInterrupt(), None),
+])
+def test_cli_overwrite_that_fails_part_way_keeps_the_old_checkpoint(tmp_path, monkeypatch, error, message):
+    """Found by probing: --overwrite deleted the old shards and wrote the new config.json before the
+    weights, so a run that failed part way left a mix of old and new files, neither checkpoint.
+    The new files are now written aside and moved in only once complete."""
+    out = tmp_path / "m"
+    cm.run(_cli_args(out, max_shard_size="200KB"))          # the checkpoint already there: several shards
+    (out / "README.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "model.safetensors.index.json" in before
+    written = []
+
+    def save_then_fail(tensors, filename, metadata=None):   # the second shard's write fails
+        if written:
+            raise error
+        written.append(filename)
+        real_save(tensors, filename, metadata=metadata)
+    real_save = cm.save_file
+    monkeypatch.setattr(cm, "save_file", save_then_fail)
+    with pytest.raises(SystemExit if message else KeyboardInterrupt, match=message):
+        cm.run(_cli_args(out, overwrite=True, seed=1, max_shard_size="300KB"))
+    assert written
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before    # no file changed, none added
+    monkeypatch.undo()
+    path = cm.run(_cli_args(out, overwrite=True, seed=1))               # a whole run replaces it
+    assert sorted(p.name for p in path.glob("model*")) == ["model.safetensors"]
+    assert (out / "README.md").read_text() == "mine" and not list(out.glob(".make-model-*"))
