@@ -325,7 +325,9 @@ def run(args: argparse.Namespace) -> Path:
             else:
                 shutil.rmtree(out, ignore_errors=True)
         if isinstance(e, ConfigError):
-            raise SystemExit(f"pcg make-model: {e}") from None
+            # the flag the user typed, as generate and bench name theirs: "--seed (seed): ..."
+            from pcg_engine.cli import _name_the_flag
+            raise SystemExit(f"pcg make-model: {_name_the_flag(e, lambda field: hasattr(args, field))}") from None
         if isinstance(e, OSError):
             raise SystemExit(f"pcg make-model: --out: cannot write the checkpoint in {args.out}: "
                              f"{e.strerror or e}") from None

@@ -225,11 +225,23 @@ def test_cli_refuses_a_directory_with_files_unless_overwrite(tmp_path, monkeypat
     assert (cm.run(_cli_args(empty)) / "config.json").exists()     # an empty directory is fine
 
 
-@pytest.mark.parametrize("over, named", [({"max_shard_size": "bogus"}, "max_shard_size"), ({"seed": -1}, "seed"),
-                                         ({"device": "bogus"}, "device")])
+@pytest.mark.parametrize("over, named", [({"max_shard_size": "bogus"}, "--max-shard-size \\(max_shard_size\\)"),
+                                         ({"max_shard_size": "0"}, "--max-shard-size \\(max_shard_size\\)"),
+                                         ({"seed": -1}, "--seed \\(seed\\)"),
+                                         ({"device": "bogus"}, "--device \\(device\\)")])
 def test_cli_bad_setting_is_one_line_naming_it(tmp_path, over, named):
+    """The flag the user typed, not only the setting's name (found by probing: "seed: must be ...")."""
     with pytest.raises(SystemExit, match=f"pcg make-model: {named}: "):
         cm.run(_cli_args(tmp_path / "m", **over))
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_main_names_the_flag(tmp_path, capsys):
+    from pcg_engine import cli
+    assert cli.main(["make-model", "--preset", "tiny-qwen3", "--out", str(tmp_path / "m"),
+                     "--max-shard-size", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: pcg make-model: --max-shard-size (max_shard_size): ") and "Traceback" not in err
 
 
 def test_cli_out_that_cannot_be_a_directory(tmp_path):
