@@ -232,6 +232,13 @@ def parse_config(raw, where: str = "config.json") -> ModelConfig:
         raise CheckpointError(f"{where}: field 'num_experts_per_tok' is {config.num_experts_per_tok}; allowed: "
                               f"1..num_experts ({config.num_experts})")
     _check_transformers_fields(raw, where, config.vocab_size)
+    # One entry per layer, as transformers requires: a list of another length ran here (the flat
+    # model does not read it) and failed later, on the first text prompt, as "the tokenizer cannot
+    # be loaded" (AutoTokenizer validates config.json), naming neither this file nor the field.
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and len(layer_types) != config.num_hidden_layers:
+        raise CheckpointError(f"{where}: field 'layer_types' has {len(layer_types)} entries; allowed: one per layer, "
+                              f"num_hidden_layers ({config.num_hidden_layers}) of them, or null")
     dense = [i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)]
     if dense and no_dense_width:
         raise CheckpointError(f"{where}: field 'intermediate_size' is missing (allowed: an int > 0; layer "

@@ -108,3 +108,17 @@ def test_moe_top_k_beyond_experts():
 def test_not_an_object():
     with pytest.raises(CheckpointError, match="expected a JSON object"):
         parse_config([1, 2])
+
+
+@pytest.mark.parametrize("extra", [-3, 1])
+def test_layer_types_of_another_length_than_the_layers(extra):
+    """Found by probing: a layer_types list shorter or longer than num_hidden_layers was taken, and the
+    first text prompt then failed as "the tokenizer cannot be loaded" (transformers' validation)."""
+    raw = preset_json("tiny-qwen3")
+    layers = raw["num_hidden_layers"]
+    raw["layer_types"] = ["full_attention"] * (layers + extra)
+    with pytest.raises(CheckpointError, match=f"ckpt/config.json: field 'layer_types' has {layers + extra} entries; "
+                                              f"allowed: one per layer, num_hidden_layers \\({layers}\\) of them, or null"):
+        parse_config(raw, "ckpt/config.json")
+    raw["layer_types"] = ["full_attention"] * layers
+    assert parse_config(raw).num_hidden_layers == layers
