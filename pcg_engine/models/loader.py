@@ -136,8 +136,8 @@ _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _check_tied_head(file: Path, entry, config: ModelConfig) -> None:
-    """A stored LM head of a tied model is skipped (the embedding serves), but one of another shape
-    says the checkpoint is not what config.json describes."""
+    """A stored LM head of a tied model is read only to be compared with the embedding (which
+    serves as the head); one of another shape says the checkpoint is not what config.json describes."""
     expected = (config.vocab_size, config.hidden_size)
     if entry.name == "lm_head.weight" and entry.shape != expected:
         raise CheckpointError(f"{file}: tensor 'lm_head.weight' has shape {entry.shape}; config.json ties it to "
@@ -171,6 +171,7 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
         model = Qwen3ForCausalLM(config)
     targets = _Targets(model)
     stored_in: dict[str, Path] = {}     # tensor name -> its shard: a second copy would overwrite the first
+    stored_head = None                  # a tied model's stored lm_head.weight, compared with the embedding
     for file in files:
         plan = []
         for entry in read_header(file):
@@ -184,8 +185,14 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
                 raise CheckpointError(f"{file}: unexpected tensor {entry.name!r} (not part of "
                                       f"{type(model).__name__} for this config)") from None
             if resolved is None:
+                if entry.name != "lm_head.weight":
+                    continue
+                # Tied, yet stored: some saves keep a copy of the embedding. One that differs is a
+                # head transformers uses (it unties them) where the embedding would serve here: read
+                # it, in the model's dtype as transformers compares, to check.
                 _check_tied_head(file, entry, config)
-                continue
+                stored_head = torch.empty(entry.shape, dtype=dtype, device=device)
+                resolved = None, stored_head
             name, dest = resolved
             if not entry.dtype.is_floating_point:   # copy_ would convert the integers to floats
                 raise CheckpointError(f"{file}: tensor {entry.name!r} is stored as {DTYPE_NAMES[entry.dtype]}; "
@@ -200,11 +207,19 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
         except OSError as e:
             raise CheckpointError(f"{file}: unreadable ({e})") from None
         for _, _, name in plan:
-            targets.mark(name)
+            if name is not None:
+                targets.mark(name)
     missing = targets.missing()
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{path}: missing tensors {shown}")
+    if stored_head is not None and not torch.equal(stored_head, model.model.embed_tokens.weight):
+        raise CheckpointError(f"{stored_in['lm_head.weight']}: tensor 'lm_head.weight' differs from "
+                              "'model.embed_tokens.weight', but config.json ties them (tie_word_embeddings: true): "
+                              "the embedding would serve as the LM head and the stored head be ignored "
+                              "(transformers uses the stored one). Set tie_word_embeddings to false to use it, "
+                              "or remove it from the checkpoint")
+    del stored_head
     model.eval()
     if fuse:
         fuse_model(model, kernels=device.type == "cuda" if kernels is None else kernels)

@@ -495,8 +495,26 @@ def test_lm_head_of_the_wrong_shape_is_refused(ckpt_copy, tied):
     assert "[vocab_size, hidden_size]" in msg and str((vocab, hidden)) in msg
     if tied:
         assert "tie_word_embeddings: true" in msg
-        rewrite_weights(ckpt_copy, lambda t: t.__setitem__("lm_head.weight", torch.zeros(vocab, hidden)))
-        load_model(ckpt_copy, device="cpu", dtype=torch.float32)     # the right shape: skipped, as before
+        rewrite_weights(ckpt_copy, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+        load_model(ckpt_copy, device="cpu", dtype=torch.float32)     # the right shape, a copy: taken
+
+
+def test_tied_lm_head_that_differs_from_the_embedding_is_refused(ckpt_copy):
+    """Found by probing: a tied model's stored lm_head.weight of the right shape was skipped without
+    a word whatever it held, so the embedding served as the head where transformers, finding the two
+    different, unties them and uses the stored head: other logits, silently. An integer one was
+    skipped too, where any other integer weight is refused."""
+    assert json.loads((ckpt_copy / "config.json").read_text())["tie_word_embeddings"]
+    file = rewrite_weights(ckpt_copy, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"] * 2))
+    msg = load_error(ckpt_copy)
+    assert msg.startswith(f"{file}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', but config.json "
+                          "ties them (tie_word_embeddings: true)") and "tie_word_embeddings to false" in msg, msg
+    rewrite_weights(ckpt_copy, lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].to(torch.int8)))
+    assert load_error(ckpt_copy).startswith(f"{file}: tensor 'lm_head.weight' is stored as I8; a weight needs a float")
+    # A copy in another float dtype holding the same values is the embedding: loaded, tied.
+    rewrite_weights(ckpt_copy, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].double()))
+    model = load_model(ckpt_copy, device="cpu", dtype=torch.float32)
+    assert not hasattr(model, "lm_head") and model.lm_head_weight is model.model.embed_tokens.weight
 
 
 def test_truncated_safetensors(ckpt_copy):
