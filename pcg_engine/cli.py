@@ -17,7 +17,7 @@ def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", default=None, help="one prompt per line, or JSONL with a 'prompt' field")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line, or JSONL with a 'prompt' field (sampling comes from the flags)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -45,6 +45,7 @@ def _read_prompts(args, sources: list | None = None) -> list[str]:
     """The prompts of --prompt and --prompts-file; where each came from ("--prompt #2",
     "--prompts-file: line 7") is appended to `sources` when given, for the errors that name one."""
     from pcg_engine.prompt_files import parse_json, read_lines
+    from pcg_engine.sampling_params import SamplingParams
     prompts = list(args.prompt)
     if sources is not None:
         sources += ["--prompt" if len(prompts) == 1 else f"--prompt #{i + 1}" for i in range(len(prompts))]
@@ -54,6 +55,14 @@ def _read_prompts(args, sources: list | None = None) -> list[str]:
                 obj = parse_json(line, number, "--prompts-file")
                 if "prompt" not in obj:
                     raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field: {line[:80]}")
+                # {"prompt": ..., "max_tokens": 5} ran with --max-tokens' value, the line's dropped
+                # without a word: every prompt takes the flags' sampling parameters.
+                own = next((k for k in obj if k in SamplingParams.field_names()), None)
+                if own is not None:
+                    flag = f"--{own.replace('_', '-')}"
+                    raise SystemExit(f"--prompts-file: line {number}: {own!r} is not read from a prompt line; every "
+                                     "prompt takes the flags' sampling parameters" +
+                                     (f" (give {flag} for all)" if hasattr(args, own) else ""))
                 prompt = obj["prompt"]
                 # Text, or token ids as a list: a bare number would join its neighbours into one
                 # token-id prompt (generate() reads a list of ints as one prompt).

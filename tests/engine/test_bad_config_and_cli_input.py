@@ -159,6 +159,24 @@ def test_prompts_file_bad_content_is_named(tmp_path, content, expected):
     assert expected in str(e.value) and (expected == "give --prompt" or "--prompts-file" in str(e.value))
 
 
+def test_prompts_file_line_with_its_own_sampling_parameter_is_refused(tmp_path):
+    """Found by probing: {"prompt": "hi", "max_tokens": 3} ran with --max-tokens' value, the line's
+    dropped without a word. Other fields (a dataset's "id") are still ignored."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "id": 7}\n{"prompt": "b", "max_tokens": 3}\n')
+    args = argparse.Namespace(prompt=[], prompts_file=str(path), max_tokens=32)
+    with pytest.raises(SystemExit, match=r"^--prompts-file: line 2: 'max_tokens' is not read from a prompt line; "
+                                         r"every prompt takes the flags' sampling parameters \(give --max-tokens "
+                                         r"for all\)$"):
+        _read_prompts(args)
+    path.write_text('{"prompt": "b", "logprobs": 2}\n')       # no flag for it
+    with pytest.raises(SystemExit, match=r"line 1: 'logprobs' is not read from a prompt line; every prompt takes "
+                                         r"the flags' sampling parameters$"):
+        _read_prompts(args)
+    path.write_text('{"prompt": "a", "id": 7}\n')
+    assert _read_prompts(args) == ["a"]
+
+
 @pytest.mark.parametrize("name", ["missing.txt", "."])
 def test_prompts_file_unreadable_is_named(tmp_path, name):
     with pytest.raises(SystemExit, match="--prompts-file: cannot read"):
