@@ -15,6 +15,7 @@ import numpy as np
 
 from pcg_engine.bench import common
 from pcg_engine.prompt_files import parse_json, read_lines
+from pcg_engine.sampling_params import SamplingParams
 
 DEFAULT_NUM_PROMPTS = 500      # random prompts; a dataset's default is all of its lines
 
@@ -33,6 +34,12 @@ def read_dataset(path: str) -> list[tuple[int, str | list[int], int | None]]:
         if not (isinstance(prompt, str) and prompt) and not ids_ok:
             raise SystemExit(f"--dataset: line {number}: needs a \"prompt\": a non-empty string or list of "
                              f"token ids (integers >= 0)")
+        # A sampling parameter on the line ("max_tokens": 50, where output_len was meant) was dropped
+        # without a word: the request ran with the default output length.
+        own = next((k for k in obj if k in SamplingParams.field_names()), None)
+        if own is not None:
+            raise SystemExit(f"--dataset: line {number}: {own!r} is not read from a dataset line; a line gives "
+                             f"\"prompt\" and \"output_len\" (the output length in tokens)")
         out = obj.get("output_len")
         if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 1):
             raise SystemExit(f"--dataset: line {number}: \"output_len\" must be an integer >= 1, got {out!r}")

@@ -159,6 +159,9 @@ def test_load_test_dataset_runs_start_from_a_cold_prefix_cache(tmp_path):
     (b'[1, 2]\n', 'line 1: needs a "prompt"'),
     (b'{"prompt": "a", "output_len": 0}\n', 'line 1: "output_len" must be an integer >= 1, got 0'),
     (b'{"prompt": "a", "output_len": "3"}\n', '"output_len" must be an integer >= 1'),
+    # found by probing: dropped without a word, the request ran with the default output length
+    (b'{"prompt": "a", "max_tokens": 5}\n', 'line 1: \'max_tokens\' is not read from a dataset line; a line gives '
+                                            '"prompt" and "output_len"'),
     (b"\n\n", "holds no request"),
     (b"\xff\xfe", "is not UTF-8 text"),
 ])
