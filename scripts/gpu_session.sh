@@ -21,7 +21,9 @@
 # p1tree (P1 of this tree against the base tree in AB_TREE, alternated twice; TREE_VALUES like "base new:VAR=x new"),
 # hostinfo (lscpu, NUMA, governor), p1pin (P1 as is / under taskset -c N / with MALLOC_ARENA_MAX=1 / with huge pages for the Python heap: PIN_VALUES off, tasksetN, arena1, thp, alternated twice; P1_MODES),
 # drift (scripts/host_drift.py with PCG_FULL_GRAPH_WARMUP_EVERY=each of DRIFT_VALUES; DRIFT_MODE, DRIFT_WINDOWS),
-# capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run).
+# capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run),
+# splitk (scripts/bench_split_k_norm.py: 8B's o/down + norm, cuBLAS vs kernels/split_k.py and its variants; then test_split_k.py's gpu tests),
+# b1probe (scripts/attention_b1_probe.py: B1 x 8192 decode attention's parts against a copy and a read of its bytes).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PCG_COMMIT=${PCG_COMMIT:-unknown}
@@ -154,6 +156,9 @@ m = {c: sorted(r['python_median_us'] for r in runs)[len(runs) // 2] for c, runs 
               --steps ${HOSTPROF_STEPS:-50} ${HOSTPROF_ARGS:-} > $OUT/hostprof_${mo}_${HOSTPROF_N:-1}${HOSTPROF_TAG:-}.txt 2>&1; grep -A12 "===" $OUT/hostprof_${mo}_${HOSTPROF_N:-1}${HOSTPROF_TAG:-}.txt | head -40
           done ;;
     blas) timeout $(lim 150) python3 scripts/bench_blas.py ${BLAS_ARGS:-} --json $OUT/blas.json 2>&1 | tail -45 ;;
+    splitk) timeout $(lim 120) python3 scripts/bench_split_k_norm.py --json $OUT/split_k_norm.json 2>&1 | tail -20   # the o/down + norm pair
+          timeout $(lim 150) $T tests/kernels/test_split_k.py 2>&1 | tee $OUT/gpu_split_k.log | tail -6 ;;   # its gpu-marked tests
+    b1probe) timeout $(lim 150) python3 scripts/attention_b1_probe.py --json $OUT/attention_b1_probe.json 2>&1 | grep -v Warn | tail -20 ;;
     skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
     capture) timeout $(lim 120) python3 scripts/bench_capture.py ${CAPTURE_ARGS:-} --json $OUT/capture.json 2>&1 | tail -12 ;;
     capture_engine) timeout $(lim 200) python3 scripts/bench_capture.py --engine $(model qwen3-0.6b) --json $OUT/capture_engine.json 2>&1 | tail -14 ;;
