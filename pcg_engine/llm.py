@@ -74,9 +74,14 @@ class LLM:
                     raise error from None
             mine = set(ids)
             while len(finals) < len(ids):
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                # Set the other requests' outputs (requests added to the engine by someone else,
+                # the callback included) aside before the callback runs on any of this call's:
+                # when it raised, those behind its output in the step were lost, a final one
+                # with them, and whoever waited for it never got it.
+                others += [out for out in outputs if out.request_id not in mine]
+                for out in outputs:
                     if out.request_id not in mine:
-                        others.append(out)       # a request added to the engine by someone else
                         continue
                     if on_output is not None:
                         on_output(out)

@@ -39,3 +39,25 @@ def test_interrupted_generate_aborts_its_requests(llm, exc):
     got = [o.token_ids for o in llm.generate(PROMPTS[:1], PARAMS)]
     assert got == want[:1]
     assert_drained(engine)
+
+
+def test_interrupted_generate_keeps_the_outputs_of_other_requests(llm):
+    """The callback raising on one of generate's outputs: the outputs of other requests behind it in
+    the same step stay with the engine. They were dropped with the rest of the step, so a request
+    that another caller added (here, the callback itself) finished without its final output."""
+    engine = llm.engine
+    other = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seen = []
+
+    def on_output(out):
+        seen.append(out)
+        if len(seen) == 1:            # added now: scheduled behind generate's request in every step
+            engine.add_request(PROMPTS[1], other, request_id="other")
+        elif "other" not in engine.requests:
+            raise Stop("stop")        # in the step that finished "other", before its output is read
+    with pytest.raises(Stop):
+        llm.generate(PROMPTS[:1], PARAMS, on_output=on_output)
+    finals = drain(engine)
+    assert "other" in finals, "the other request's final output was lost"
+    assert finals["other"].finish_reason == "length" and len(finals["other"].token_ids) == 1
+    assert_drained(engine)
