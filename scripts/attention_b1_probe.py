@@ -13,6 +13,7 @@ the attention at other split counts.
 """
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import defaultdict
@@ -27,20 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import COPY_GBPS, AttentionShape, median_replay_ms  # noqa: E402
 
+from pcg_engine.bench.common import graph_of_calls  # noqa: E402
+
 from pcg_engine.attention.triton_attention import choose_num_splits  # noqa: E402
 from pcg_engine.kernels import pdl  # noqa: E402
-
-
-def graph_of(fn, calls):
-    fn_all = lambda: [fn(i) for i in range(calls)]  # noqa: E731
-    fn_all()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn_all()
-    for _ in range(3):
-        graph.replay()
-    return graph
 
 
 def kernel_split(graph, calls):
@@ -61,9 +52,9 @@ def kernel_split(graph, calls):
 def attention(batch, ctx, hq, hk, use_pdl):
     shape = AttentionShape(batch, ctx, 1, hq, hk)
     splits = choose_num_splits(batch, batch, hq, hk, 128, 1, ctx, torch.device("cuda"))
-    scope = pdl.scope() if use_pdl else _null()
+    scope = pdl.scope() if use_pdl else contextlib.nullcontext()
     with scope:
-        graph = graph_of(lambda i: shape.call(i, splits), shape.calls)
+        graph = graph_of_calls(lambda i: shape.call(i, splits), shape.calls)
     us = median_replay_ms(graph, 20) * 1e3 / shape.calls
     nbytes = shape.kv_bytes + 2 * batch * hq * 128 * 2
     parts = kernel_split(graph, shape.calls)
@@ -72,20 +63,12 @@ def attention(batch, ctx, hq, hk, use_pdl):
             "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3), "kernels_us": parts, "rel_error": err}
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
 def copies(nbytes):
     """A copy moving nbytes (reads nbytes / 2, writes nbytes / 2), on rotating buffer pairs."""
     n = nbytes // 4   # bf16 elements of each half
     sets = [(torch.empty(n, dtype=torch.bfloat16, device="cuda"), torch.empty(n, dtype=torch.bfloat16, device="cuda"))
             for _ in range(8)]
-    graph = graph_of(lambda i: sets[i % 8][1].copy_(sets[i % 8][0]), 64)
+    graph = graph_of_calls(lambda i: sets[i % 8][1].copy_(sets[i % 8][0]), 64)
     us = median_replay_ms(graph, 20) * 1e3 / 64
     return {"bytes_moved": nbytes, "us": round(us, 2), "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3)}
 
@@ -106,7 +89,7 @@ def reads(nbytes, programs, tile, warps):
     sets = [torch.randn(n, dtype=torch.bfloat16, device="cuda") for _ in range(8)]
     out = torch.empty(programs, dtype=torch.float32, device="cuda")
     per = n // programs
-    graph = graph_of(lambda i: _read_kernel[(programs,)](sets[i % 8], out, PER_PROGRAM=per, TILE=tile,
+    graph = graph_of_calls(lambda i: _read_kernel[(programs,)](sets[i % 8], out, PER_PROGRAM=per, TILE=tile,
                                                         num_warps=warps), 64)
     us = median_replay_ms(graph, 20) * 1e3 / 64
     return {"read_bytes": nbytes, "programs": programs, "tile": tile, "warps": warps, "us": round(us, 2),
@@ -117,7 +100,7 @@ def attention_splits(hq, splits):
     from pcg_engine.attention import launch_config
     launch_config.MAX_SPLITS = max(launch_config.MAX_SPLITS, splits)   # the engine caps at 64: a probe above it
     shape = AttentionShape(1, 8192, 1, hq, 8)
-    graph = graph_of(lambda i: shape.call(i, splits), shape.calls)
+    graph = graph_of_calls(lambda i: shape.call(i, splits), shape.calls)
     us = median_replay_ms(graph, 20) * 1e3 / shape.calls
     nbytes = shape.kv_bytes + 2 * hq * 128 * 2
     return {"shape": f"B1 ctx8192 Hq{hq} Hk8", "splits": splits, "us": round(us, 2),

@@ -24,6 +24,8 @@ import torch
 # Runs from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pcg_engine.bench.common import graph_of_calls  # noqa: E402
+
 COPY_GBPS = 4250.0      # H200 device-to-device copy, measured
 MATMUL_TFLOPS = 790.0   # dense bf16 matmul, measured
 DTYPE = torch.bfloat16
@@ -214,16 +216,7 @@ class AttentionShape:
 
     def time_us(self, splits, tuning=None):
         """GPU time a call: `calls` calls captured in one CUDA graph, median of replays."""
-        def run():
-            for i in range(self.calls):
-                self.call(i, splits, tuning)
-        run()  # compile, and allocate the split buffers / merge counters outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        for _ in range(3):
-            graph.replay()
+        graph = graph_of_calls(lambda i: self.call(i, splits, tuning), self.calls)
         ms = median_replay_ms(graph, 10)
         del graph
         return ms * 1e3 / self.calls

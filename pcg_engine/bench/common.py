@@ -361,3 +361,22 @@ def config_record(args: argparse.Namespace) -> dict:
     for k, v in vars(args).items():
         out[k] = "inf" if isinstance(v, float) and v == float("inf") else v
     return out
+
+
+def graph_of_calls(fn, calls: int):
+    """fn(0), ..., fn(calls - 1) captured in one CUDA graph, for the GPU micro-benchmarks
+    (scripts/bench_kernels.py, bench/rope_attention.py): run once outside the capture (compiles, and
+    the buffers a first call allocates), captured, then replayed three times to warm up."""
+    import torch   # (not at module level: the CLI's start-up imports this module)
+
+    def run():
+        for i in range(calls):
+            fn(i)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        graph.replay()
+    return graph

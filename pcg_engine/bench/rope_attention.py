@@ -70,19 +70,10 @@ class DecodeLayer:
                               1e-6, tuning=self.tuning)
 
     def back_to_back_us(self, fn) -> float:
+        from pcg_engine.bench.common import graph_of_calls
         from pcg_engine.kernels import pdl
-
-        def run():
-            for i in range(self.calls):
-                fn(i)
         with pdl.scope():
-            run()   # compile, and the split buffers, outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-        for _ in range(3):
-            graph.replay()
+            graph = graph_of_calls(fn, self.calls)
         times = []
         for _ in range(10):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
