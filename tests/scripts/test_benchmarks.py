@@ -331,6 +331,12 @@ def test_host_overhead(tmp_path):
     assert "persistent, 8 running, 3 timed steps" in (tmp_path / "host.prof.txt").read_text()
 
 
+@pytest.mark.parametrize("config", ["full graphs", "full + piecewise + async"])
+def test_profile_refuses_a_graph_config_on_cpu(config, tmp_path):
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        profile.main(["--device", "cpu", "--configs", f"eager,{config}", "--out-dir", str(tmp_path)])
+
+
 def test_profile_writes_trace_and_png(tmp_path):
     out = tmp_path / "prof.json"
     assert profile.main(["--device", "cpu", "--configs", "eager", "--requests", "2", "--prompt-len", "8",
