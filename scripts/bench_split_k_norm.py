@@ -1,6 +1,7 @@
 """A projection and the add + RMSNorm after it, at Qwen3-8B's o / down shapes and one row: cuBLAS's
 F.linear + add_rms_norm against kernels/split_k.py's partials + add_rms_norm_partials, and variants
-of the second (the norm's warps, two splits, bf16 partials), on bench_skinny_gemm's weight ring.
+of the second (the norm's warps: 16 by default since session 19, 8 before; two splits, bf16
+partials), on bench_skinny_gemm's weight ring.
 
     python scripts/bench_split_k_norm.py [--json PATH]
 
@@ -50,7 +51,7 @@ def main():
             "cublas only": lambda w: F.linear(x, w),
             "split4 fp32 + norm": lambda w: partial_norm(split_k.partials(x, w, 4)),
             "split4 only": lambda w: split_k.partials(x, w, 4),
-            "split4 fp32 + norm w16": lambda w: partial_norm(split_k.partials(x, w, 4), 16),
+            "split4 fp32 + norm w8": lambda w: partial_norm(split_k.partials(x, w, 4), 8),   # session 18 default
             "split4 fp32 + norm w4": lambda w: partial_norm(split_k.partials(x, w, 4), 4),
             "split2 fp32 + norm": lambda w: partial_norm(split_k.partials(x, w, 2)),
             "split4 bf16 + norm": lambda w: partial_norm(torch.bmm(x.view(1, 4, k // 4).transpose(0, 1),

@@ -8,7 +8,7 @@
 # Parts: graphs (gpu tests of tests/compile), tests (every other gpu test: ~155 tests, ~5 min on one H200;
 # at most 400 s here, TESTS= narrows it), p1 (latency, 0.6B, all
 # modes), p5 (start-up), p5notrace (p5 with PCG_SAVED_TRACE=0), p5warm2 (p5 with PCG_FULL_GRAPH_WARMUPS=2), p5warmfirst (p5 with PCG_FULL_GRAPH_WARMUP_EVERY=0), p5ab (P5AB=VAR=A,B: one cold start, then warm starts
-# with VAR=A, B, A, B on its caches), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0; PROF1_8B_CONFIGS, PROF1_8B_LIM s), p2, p3, p3rates (P3 at higher rates),
+# with VAR=A, B, A, B on its caches), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes; P1_8B_MODES), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0; PROF1_8B_CONFIGS, PROF1_8B_ARGS, PROF1_8B_LIM s), p2, p3, p3rates (P3 at higher rates),
 # probeproc (bench/cpu_probe.py in PROBE_PROCS fresh processes), coreprobe (scripts/core_probe.py: the probe on each core, three processes), corepin (P1 on coreprobe's fastest and slowest core), ttft (issue 5's 1/8/32 x 512), ttfttree (ttft at TTFT_N prompts, this tree against AB_TREE, alternated twice; TTFT_MODES), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
@@ -69,10 +69,10 @@ part() {
     load8b) timeout $(lim 90) $B load --model $(model qwen3-8b) --device cuda --json $OUT/load_q8b.json 2>&1 | tail -14 ;;
     p1_8b) timeout $(lim 240) $B latency --model $(model qwen3-8b) --modes eager,full_decode,piecewise,full_and_piecewise --num-iters 2 \
           --warmup-iters 1 --json $OUT/p1_q8b.json 2>&1 | tail -8 ;;
-    p1_8b_graphs) timeout $(lim 200) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise --num-iters 2 \
+    p1_8b_graphs) timeout $(lim 200) $B latency --model $(model qwen3-8b) --modes ${P1_8B_MODES:-full_decode,full_and_piecewise} --num-iters 2 \
           --warmup-iters 1 --json $OUT/p1_q8b_graphs.json 2>&1 | tail -6 ;;
     prof1_8b) PCG_PDL=${PROF_PDL:-0} timeout $(lim ${PROF1_8B_LIM:-150}) $B profile --model $(model qwen3-8b) --requests 1 --steps 20 --kernel-table \
-          --configs "${PROF1_8B_CONFIGS:-full graphs + async}" --out-dir $OUT/prof1_8b --json $OUT/prof1_8b.json 2>&1 | tail -${PROF1_TAIL:-60} ;;
+          --configs "${PROF1_8B_CONFIGS:-full graphs + async}" ${PROF1_8B_ARGS:-} --out-dir $OUT/prof1_8b --json $OUT/prof1_8b.json 2>&1 | tail -${PROF1_TAIL:-60} ;;
     p1_nopdl) PCG_PDL=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q06_nopdl.json 2>&1 | tail -7 ;;   # A/B: kernels/pdl.py
     p1_piece) for i in 1 2; do for v in inductor eager; do   # A/B, alternated: Inductor vs FX pieces (compile/backend.py)

@@ -103,6 +103,12 @@ def _launch(x, residual, weight, eps, partials=None):
         res_out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n > 0:
         block_r, block_d, num_warps = _launch_config(n, d)
+        if partials is not None:
+            # Each program reads S fp32 rows per output row (4 x 16 KB at Qwen3-8B's 4096): twice
+            # the warps keep twice the loads in flight. Qwen3-8B's o and down + this norm at one row,
+            # 4 splits (scripts/bench_split_k_norm.py, H200, session 19): 14.17 -> 13.34 and
+            # 30.00 -> 29.27 us with 16 warps instead of 8.
+            num_warps = min(16, 2 * num_warps)
         _rms_norm_kernel[(triton.cdiv(n, block_r),)](
             x2, r2, weight.contiguous(), out, res_out, n, d,
             x2.stride(-2), r2.stride(0), out.stride(0), res_out.stride(0), float(eps),
