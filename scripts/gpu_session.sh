@@ -23,6 +23,7 @@
 # drift (scripts/host_drift.py with PCG_FULL_GRAPH_WARMUP_EVERY=each of DRIFT_VALUES; DRIFT_MODE, DRIFT_WINDOWS),
 # capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run),
 # splitk (scripts/bench_split_k_norm.py: 8B's o/down + norm, cuBLAS vs kernels/split_k.py and its variants; then test_split_k.py's gpu tests),
+# p1solo (P1 of each of SOLO_MODES in its own process, alternated SOLO_ROUNDS times, then SOLO_PAIR in one process; AB_MODEL, default 8B),
 # b1probe (scripts/attention_b1_probe.py: B1 x 8192 decode attention's parts against a copy and a read of its bytes).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
@@ -173,6 +174,17 @@ m = {c: sorted(r['python_median_us'] for r in runs)[len(runs) // 2] for c, runs 
               --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1ab_${AB_VAR}_$v-$i.json 2>&1 \
               | grep -E "full_decode|piecewise|mode|the OS|fixed host" | sed "s/^/$AB_VAR=$v run $i /"
           done; done ;;
+    p1solo) # each mode of SOLO_MODES in its own process, alternated SOLO_ROUNDS times (a process's second engine read
+          # slower than its first in session 19); then SOLO_PAIR (e.g. full_decode,full_decode) in one process; clocks logged
+          nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv -lms 500 > $OUT/smi_p1solo.csv 2>&1 &
+          SMI=$!
+          for i in $(seq ${SOLO_ROUNDS:-2}); do for m in ${SOLO_MODES:-full_and_piecewise full_decode}; do
+            timeout $(lim 120) $B latency --model $(model ${AB_MODEL:-qwen3-8b}) --modes $m --num-iters 2 --warmup-iters 1 \
+              --json $OUT/p1solo_${m}-$i.json 2>&1 | grep -E "^│ (full|piece|eager)" | sed "s/^/solo run $i /"
+          done; done
+          [ -n "${SOLO_PAIR:-}" ] && timeout $(lim 200) $B latency --model $(model ${AB_MODEL:-qwen3-8b}) --modes $SOLO_PAIR --num-iters 2 \
+              --warmup-iters 1 --json $OUT/p1solo_pair.json 2>&1 | grep -E "^│ (full|piece|eager)" | sed "s/^/pair /"
+          kill $SMI ;;
     p1tree) for i in 1 2; do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated twice: P1 of this tree ("new") against
             # the tree unpacked in AB_TREE ("base", e.g. git archive of the commit before a change); "new:VAR=x" adds a switch
             tree=${v%%:*}; envs=; [ "$tree" != "$v" ] && envs=${v#*:}
