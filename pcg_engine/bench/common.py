@@ -155,21 +155,72 @@ def build_llm(model_path: str, **config):
     return LLM(model_path, **config)
 
 
-def run_each_mode(args, model: str, run_mode, describe: str) -> dict:
+def add_process_per_mode_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--process-per-mode", choices=("auto", "on", "off"), default="auto",
+                   help="run each mode of --modes in a fresh process (auto: on CUDA with several modes). "
+                        "In one process a later engine's decode read slower than the same mode run first "
+                        "(H200, Qwen3-8B batch 1: +0.07 to +0.14 ms a token; docs/PERF.md, session 19)")
+    p.add_argument("--mode-result", default=None, help=argparse.SUPPRESS)   # a child's one result, as JSON
+
+
+def _fresh_processes(args, n_modes: int) -> bool:
+    choice = getattr(args, "process_per_mode", "off")
+    if choice != "auto":
+        return choice == "on"
+    if n_modes < 2 or args.device.startswith("cpu"):
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def run_each_mode(args, model: str, run_mode, describe: str, module: str | None = None,
+                  argv: list[str] | None = None) -> dict | None:
     """Build an engine per mode of `--modes`, run `run_mode(llm, args)` on it, free it; name -> result.
 
-    Modes run one after another in this process, so their figures are comparable side by side."""
+    Modes run one after another, in this process or (--process-per-mode) each in a fresh one that
+    runs `python -m module argv --modes <that mode>` and hands its result back as JSON: then no
+    engine runs after another in the same process. A child run (--mode-result) writes its one
+    result to that file and returns None."""
     from rich.console import Console
     console = Console(stderr=True)
+    modes = parse_modes(args.modes)
+    if getattr(args, "mode_result", None):
+        (name, mode_kw), = modes
+        result = _run_one_mode(args, model, run_mode, describe, name, mode_kw, console)
+        Path(args.mode_result).write_text(json.dumps(result), encoding="utf-8")
+        return None
     results = {}
-    for name, mode_kw in parse_modes(args.modes):
-        console.print(f"[bold]mode {name}[/bold]: building the engine")
-        llm = build_llm(model, **engine_kwargs(args), **mode_kw)
-        with console.status(f"{name}: {describe}"):
-            results[name] = run_mode(llm, args)
-        llm.close()   # its KV cache must not count against the next mode's
-        del llm
+    if _fresh_processes(args, len(modes)):
+        import sys
+        import tempfile
+        if module is None or argv is None:
+            raise ValueError("run_each_mode: a process per mode needs the module and its argv")
+        with tempfile.TemporaryDirectory(prefix="pcg-modes-") as tmp:
+            for i, (name, _) in enumerate(modes):
+                out = Path(tmp) / f"mode{i}.json"
+                console.print(f"[bold]mode {name}[/bold]: in a fresh process")
+                # argparse keeps the last of a repeated flag: these override the user's
+                cmd = [sys.executable, "-m", module, *argv, "--model", model, "--modes", name,
+                       "--process-per-mode", "off", "--mode-result", str(out)]
+                rc = subprocess.run(cmd).returncode
+                if rc != 0 or not out.exists():
+                    raise SystemExit(f"mode {name}: its process exited with status {rc} and no result")
+                results[name] = json.loads(out.read_text(encoding="utf-8"))
+        return results
+    for name, mode_kw in modes:
+        results[name] = _run_one_mode(args, model, run_mode, describe, name, mode_kw, console)
     return results
+
+
+def _run_one_mode(args, model: str, run_mode, describe: str, name: str, mode_kw: dict, console) -> dict:
+    console.print(f"[bold]mode {name}[/bold]: building the engine")
+    llm = build_llm(model, **engine_kwargs(args), **mode_kw)
+    with console.status(f"{name}: {describe}"):
+        result = run_mode(llm, args)
+    llm.close()   # its KV cache must not count against the next mode's
+    del llm
+    result["pid"] = os.getpid()   # which process ran it (--process-per-mode)
+    return result
 
 
 def write_mode_results(args, model: str, benchmark: str, results: dict) -> None:

@@ -10,6 +10,7 @@ caller (generate's on_output), i.e. what a user of the API sees.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -80,6 +81,7 @@ def run_mode(llm, args) -> dict:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench latency", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
+    common.add_process_per_mode_arg(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes; ratios are against the first")
     p.add_argument("--input-len", type=common.int_at_least(1), default=128)
     p.add_argument("--output-len", type=common.int_at_least(2), default=256,
@@ -94,7 +96,10 @@ def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     model = common.resolve_model(args.model, args.seed)
     common.refuse_too_long(args, model, args.input_len, args.output_len, "--input-len / --output-len")
-    results = common.run_each_mode(args, model, run_mode, f"{args.warmup_iters} warm-up + {args.num_iters} iterations")
+    results = common.run_each_mode(args, model, run_mode, f"{args.warmup_iters} warm-up + {args.num_iters} iterations",
+                                    module="pcg_engine.bench.latency", argv=sys.argv[1:] if argv is None else argv)
+    if results is None:   # a child of --process-per-mode: its result is written
+        return 0
     base = next(iter(results.values()))
     common.print_table(f"latency: batch {args.batch_size}, {args.input_len} prompt tokens, {args.output_len} new",
                        ["mode", "TTFT ms (median)", "TPOT ms (median)", "TPOT p90", "tok/s per request",

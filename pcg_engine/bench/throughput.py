@@ -9,6 +9,7 @@ ignored, seed 0, max_model_len 4096. --input-len/--output-len with --range-ratio
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -118,6 +119,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench throughput", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
     p.set_defaults(max_model_len=4096)
+    common.add_process_per_mode_arg(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,full_and_piecewise")
     p.add_argument("--num-prompts", type=common.int_at_least(1), default=256)
     # Defaults filled in main(): None tells a flag the user gave from one left alone.
@@ -159,7 +161,10 @@ def main(argv=None) -> int:
     flags = ("--input-len" if args.input_len is not None else "--input-max") + " / " + \
             ("--output-len" if args.output_len is not None else "--output-max")
     common.refuse_too_long(args, model, *longest, flags + (" / --range-ratio" if args.range_ratio else ""))
-    results = common.run_each_mode(args, model, run_mode, f"{args.num_prompts} requests")
+    results = common.run_each_mode(args, model, run_mode, f"{args.num_prompts} requests",
+                                    module="pcg_engine.bench.throughput", argv=sys.argv[1:] if argv is None else argv)
+    if results is None:   # a child of --process-per-mode: its result is written
+        return 0
     base = next(iter(results.values()))["output_throughput"]
     common.print_table(f"offline throughput: {args.num_prompts} requests", [
         "mode", "output tok/s", "total tok/s", "req/s", "elapsed s", "steps", "host ms/step", "vs first"],

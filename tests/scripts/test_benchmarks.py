@@ -270,6 +270,32 @@ def test_latency(tmp_path):
         assert 0 < probe[side]["torch_min_us"] <= probe[side]["torch_median_us"]
 
 
+def test_latency_process_per_mode_runs_each_mode_in_its_own_process(tmp_path):
+    out = tmp_path / "lat.json"
+    assert latency.main(["--device", "cpu", "--modes", "eager,eager+sync", "--process-per-mode", "on",
+                         "--input-len", "6", "--output-len", "3", "--num-iters", "1", "--warmup-iters", "0",
+                         "--json", str(out)]) == 0
+    data = read(out)
+    pids = [data["modes"][m]["pid"] for m in ("eager", "eager+sync")]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert data["modes"]["eager+sync"]["async_scheduling"] is False
+    assert all(len(data["modes"][m]["iterations"]) == 1 for m in data["modes"])
+
+
+def test_latency_in_one_process_by_default_on_cpu(tmp_path):
+    out = tmp_path / "lat.json"
+    assert latency.main(["--device", "cpu", "--modes", "eager,eager+sync", "--input-len", "6", "--output-len", "3",
+                         "--num-iters", "1", "--warmup-iters", "0", "--json", str(out)]) == 0
+    assert {m["pid"] for m in read(out)["modes"].values()} == {os.getpid()}
+
+
+def test_process_per_mode_names_the_mode_whose_process_failed():
+    # a child that dies (here: a module that does not exist) stops the run with the mode named
+    args = latency.make_parser().parse_args(["--device", "cpu", "--modes", "eager,compile", "--process-per-mode", "on"])
+    with pytest.raises(SystemExit, match="mode eager: its process exited with status 1"):
+        common.run_each_mode(args, "unused", latency.run_mode, "", module="pcg_engine.bench.no_such_module", argv=[])
+
+
 def test_cpu_probe_times_its_work():
     from pcg_engine.bench import cpu_probe
     small = cpu_probe.probe(repeats=3, python_iters=5000, torch_iters=100)
