@@ -1,0 +1,75 @@
+"""Why a process's second engine decodes slower than its first (H200, Qwen3-8B batch 1, PDL on:
++0.07 to +0.14 ms a token; docs/PERF.md, session 19). Builds one engine per mode of --modes in
+this process, one after another, and for each prints its batch-1 TPOT and what the previous
+engines left behind after LLM.close(): CUDA graphs still alive (gc), reserved memory, threads.
+
+    python scripts/second_engine_probe.py --model /tmp/models/qwen3-8b --modes full_decode,full_decode
+    python scripts/second_engine_probe.py ... --reset-leaked   # reset graphs found alive after a close
+
+--reset-leaked tests the hypothesis that graphs the closed engine leaves alive slow the next one.
+"""
+
+import argparse
+import gc
+import json
+import threading
+import time
+
+import torch
+
+from pcg_engine.bench import common
+from pcg_engine.llm import LLM
+
+
+def live_graphs() -> list:
+    return [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
+
+
+def tpot_ms(llm, tokens: int) -> float:
+    prompt = list(range(1000, 1128))
+    params = dict(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params)   # warm
+    times = []
+
+    def on_output(out):
+        times.append(time.perf_counter())
+
+    llm.generate([list(range(2000, 2128))], params, on_output=on_output)
+    return 1000 * (times[-1] - times[0]) / max(len(times) - 1, 1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--modes", default="full_decode,full_decode")
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--reset-leaked", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+    rows = []
+    for i, mode in enumerate(m.strip() for m in args.modes.split(",")):
+        llm = LLM(args.model, mode=mode)
+        row = {"engine": i, "mode": mode, "tpot_ms": round(tpot_ms(llm, args.tokens), 4),
+               "graphs_alive_while_running": len(live_graphs())}
+        llm.close()
+        del llm
+        gc.collect()
+        leaked = live_graphs()
+        row.update(graphs_alive_after_close=len(leaked), reserved_mib_after_close=torch.cuda.memory_reserved() >> 20,
+                   threads_after_close=threading.active_count())
+        if args.reset_leaked:
+            for g in leaked:
+                g.reset()
+            del leaked
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            row["reserved_mib_after_reset"] = torch.cuda.memory_reserved() >> 20
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        common.write_json(args.json, {"rows": rows, "reset_leaked": args.reset_leaked, **common.env_record(args.model, "cuda")})
+
+
+if __name__ == "__main__":
+    main()
