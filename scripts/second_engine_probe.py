@@ -5,13 +5,18 @@ engines left behind after LLM.close(): CUDA graphs still alive (gc), reserved me
 
     python scripts/second_engine_probe.py --model /tmp/models/qwen3-8b --modes full_decode,full_decode
     python scripts/second_engine_probe.py ... --reset-leaked   # reset graphs found alive after a close
+    python scripts/second_engine_probe.py ... --keep-cache     # close() without torch.cuda.empty_cache()
 
---reset-leaked tests the hypothesis that graphs the closed engine leaves alive slow the next one.
+--reset-leaked tests the hypothesis that graphs the closed engine leaves alive slow the next one
+(pybind's CUDAGraph is not gc-tracked, so the engine objects that would hold them are counted
+too); --keep-cache lets the next engine reuse the closed one's memory segments instead of the
+driver mapping new ones.
 """
 
 import argparse
 import gc
 import json
+import os
 import threading
 import time
 
@@ -23,6 +28,16 @@ from pcg_engine.llm import LLM
 
 def live_graphs() -> list:
     return [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
+
+
+def live_holders() -> dict:
+    """Engine objects still alive: any of them keeps its CUDA graphs (and their pool) alive."""
+    from pcg_engine.compile.cuda_graph import GraphPool
+    from pcg_engine.compile.full_graph import FullDecodeGraphs
+    from pcg_engine.engine.llm_engine import LLMEngine
+    from pcg_engine.engine.model_runner import ModelRunner
+    kinds = (LLMEngine, ModelRunner, FullDecodeGraphs, GraphPool)
+    return {k.__name__: sum(isinstance(o, k) for o in gc.get_objects()) for k in kinds}
 
 
 def tpot_ms(llm, tokens: int) -> float:
@@ -44,19 +59,27 @@ def main():
     p.add_argument("--modes", default="full_decode,full_decode")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reset-leaked", action="store_true")
+    p.add_argument("--keep-cache", action="store_true")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
     for i, mode in enumerate(m.strip() for m in args.modes.split(",")):
         llm = LLM(args.model, mode=mode)
-        row = {"engine": i, "mode": mode, "tpot_ms": round(tpot_ms(llm, args.tokens), 4),
-               "graphs_alive_while_running": len(live_graphs())}
-        llm.close()
+        # (nothing is counted while the engine runs: it gc.freeze()s its objects, which hides them
+        # from gc.get_objects(); close() unfreezes them)
+        row = {"engine": i, "mode": mode, "tpot_ms": round(tpot_ms(llm, args.tokens), 4)}
+        empty_cache = torch.cuda.empty_cache
+        if args.keep_cache:
+            torch.cuda.empty_cache = lambda: None
+        try:
+            llm.close()
+        finally:
+            torch.cuda.empty_cache = empty_cache
         del llm
         gc.collect()
         leaked = live_graphs()
         row.update(graphs_alive_after_close=len(leaked), reserved_mib_after_close=torch.cuda.memory_reserved() >> 20,
-                   threads_after_close=threading.active_count())
+                   threads_after_close=threading.active_count(), alive_after_close=live_holders())
         if args.reset_leaked:
             for g in leaked:
                 g.reset()
@@ -68,7 +91,8 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
-        common.write_json(args.json, {"rows": rows, "reset_leaked": args.reset_leaked, **common.env_record(args.model, "cuda")})
+        common.write_json(args.json, {"rows": rows, "reset_leaked": args.reset_leaked, "keep_cache": args.keep_cache,
+                                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), **common.env_record(args.model, "cuda")})
 
 
 if __name__ == "__main__":
