@@ -24,7 +24,7 @@
 # capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run),
 # splitk (scripts/bench_split_k_norm.py: 8B's o/down + norm, cuBLAS vs kernels/split_k.py and its variants; then test_split_k.py's gpu tests),
 # p1solo (P1 of each of SOLO_MODES in its own process, alternated SOLO_ROUNDS times, then SOLO_PAIR in one process; AB_MODEL, default 8B),
-# secondprobe (scripts/second_engine_probe.py per variant of PROBE_VARIANTS: plain, --reset-leaked, --keep-cache, expandable; PROBE_MODES, AB_MODEL),
+# secondprobe (scripts/second_engine_probe.py per variant of PROBE_VARIANTS: plain, --reset-leaked, --keep-cache, --clear-cublas, expandable; PROBE_MODES, AB_MODEL),
 # b1probe (scripts/attention_b1_probe.py: B1 x 8192 decode attention's parts against a copy and a read of its bytes).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail

@@ -6,11 +6,13 @@ engines left behind after LLM.close(): CUDA graphs still alive (gc), reserved me
     python scripts/second_engine_probe.py --model /tmp/models/qwen3-8b --modes full_decode,full_decode
     python scripts/second_engine_probe.py ... --reset-leaked   # reset graphs found alive after a close
     python scripts/second_engine_probe.py ... --keep-cache     # close() without torch.cuda.empty_cache()
+    python scripts/second_engine_probe.py ... --clear-cublas   # drop torch's cuBLAS workspaces after a close
 
 --reset-leaked tests the hypothesis that graphs the closed engine leaves alive slow the next one
 (pybind's CUDAGraph is not gc-tracked, so the engine objects that would hold them are counted
 too); --keep-cache lets the next engine reuse the closed one's memory segments instead of the
-driver mapping new ones.
+driver mapping new ones; --clear-cublas drops the cuBLAS workspaces torch keeps per handle and
+stream (the capture stream's among them), which outlive the engine.
 """
 
 import argparse
@@ -60,6 +62,7 @@ def main():
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reset-leaked", action="store_true")
     p.add_argument("--keep-cache", action="store_true")
+    p.add_argument("--clear-cublas", action="store_true")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
@@ -80,6 +83,11 @@ def main():
         leaked = live_graphs()
         row.update(graphs_alive_after_close=len(leaked), reserved_mib_after_close=torch.cuda.memory_reserved() >> 20,
                    threads_after_close=threading.active_count(), alive_after_close=live_holders())
+        if args.clear_cublas:
+            torch.cuda.synchronize()
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+            row["reserved_mib_after_clear_cublas"] = torch.cuda.memory_reserved() >> 20
         if args.reset_leaked:
             for g in leaked:
                 g.reset()
@@ -92,6 +100,7 @@ def main():
         print(json.dumps(row), flush=True)
     if args.json:
         common.write_json(args.json, {"rows": rows, "reset_leaked": args.reset_leaked, "keep_cache": args.keep_cache,
+                                    "clear_cublas": args.clear_cublas,
                                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), **common.env_record(args.model, "cuda")})
 
 
