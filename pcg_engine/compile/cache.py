@@ -189,18 +189,21 @@ class CompileCache:
             return "no manifest (interrupted build)"
         try:
             manifest = json.loads(path.read_text())
-            files = manifest["files"]
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            return f"unreadable manifest ({e})"
-        if manifest.get("fields") != self.fields:
+            fields = manifest.get("fields")
+            # Every file's record read here, inside the try: a damaged manifest can still be valid
+            # JSON (one bit turns "size" into "sizg") and must be rejected, not raise at the start.
+            files = {name: (meta["size"], meta["sha256"]) for name, meta in manifest["files"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+            return f"unreadable manifest ({type(e).__name__}: {e})"
+        if fields != self.fields:
             return "manifest written for other versions or settings"
         present = {str(p.relative_to(self.entry)) for p in _files(self.entry)}
         if present != set(files):
             extra, missing = present - set(files), set(files) - present
             return f"files differ from the manifest (unlisted {sorted(extra)[:3]}, missing {sorted(missing)[:3]})"
-        for name, meta in files.items():
+        for name, (size, sha256) in files.items():
             p = self.entry / name
-            if p.stat().st_size != meta["size"] or _sha256(p) != meta["sha256"]:
+            if p.stat().st_size != size or _sha256(p) != sha256:
                 return f"checksum mismatch in {name}"
         return None
 

@@ -44,6 +44,12 @@ def test_second_open_is_a_hit(tmp_path):
     (lambda e: (e / MANIFEST).write_text("{not json"), "unreadable manifest"),
     (lambda e: (e / "inductor" / "planted.py").write_text("x = 1\n"), "unlisted"),
     (lambda e: (e / "triton" / "kernel.bin").unlink(), "missing"),
+    # One bit flipped in the manifest ("size" -> "sizg", "sha256" -> "sha254"): still valid JSON,
+    # but a file's record lacks its field (a KeyError out of the start before).
+    (lambda e: (e / MANIFEST).write_text((e / MANIFEST).read_text().replace('"size"', '"sizg"')),
+     "unreadable manifest"),
+    (lambda e: (e / MANIFEST).write_text((e / MANIFEST).read_text().replace('"sha256"', '"sha254"')),
+     "unreadable manifest"),
 ])
 def test_bad_entry_is_deleted_and_rebuilt(tmp_path, damage, reason):
     first = _built(tmp_path / "c")
