@@ -161,9 +161,18 @@ class CompileCache:
                 raise CompileCacheError(f"cannot create {self.root}: {e.strerror or e}; choose another directory "
                                         "(or compile_cache=False)") from None
         check_private(self.root)
-        self._lock()
         try:
+            self._lock()
             return self._open_entry()
+        except CompileCacheError:
+            self.close()
+            raise
+        except OSError as e:
+            # A directory this user cannot write (chmod 500, a read-only mount) fails on the key's
+            # lock file or the entry: say which setting is at fault, not a bare PermissionError.
+            self.close()
+            raise CompileCacheError(f"cannot write {e.filename or self.root}: {e.strerror or e}; make "
+                                    f"{self.root} writable, choose another directory (or compile_cache=False)") from e
         except BaseException:
             self.close()
             raise

@@ -122,6 +122,24 @@ def test_refuses_group_or_world_writable_dir(tmp_path):
     again.close()
 
 
+def test_unwritable_cache_dir_is_named_as_the_config_field(tmp_path, monkeypatch):
+    """A cache directory this user cannot write (chmod 500, a read-only mount): a PcgError naming
+    compile_cache_dir and the directory (a bare PermissionError on the key's lock file before)."""
+    root = tmp_path / "ro"
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o500)
+    if os.geteuid() == 0:      # root writes through a chmod: what the kernel tells anyone else, emulated
+        real_open = os.open
+
+        def open_read_only(path, flags, *args, **kwargs):
+            if str(path).startswith(str(root)) and flags & os.O_CREAT:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, flags, *args, **kwargs)
+        monkeypatch.setattr(os, "open", open_read_only)
+    with pytest.raises(CompileCacheError, match=r"^compile_cache_dir: cannot write .*ro.*Permission denied"):
+        CompileCache(root, FIELDS).open()
+
+
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to chown")
 def test_refuses_dir_owned_by_another_user(tmp_path):
     root = tmp_path / "theirs"
