@@ -290,9 +290,16 @@ def _fx_cache(enabled: bool):
             setattr(mod, name, value)
 
 
-def no_cache():
-    """compile_cache=False: every start compiles from scratch (nothing read or written)."""
-    return _fx_cache(False)
+@contextlib.contextmanager
+def no_cache(scratch: Path):
+    """compile_cache=False: every start compiles from scratch (nothing read or written). Turning
+    Inductor's FX graph cache off is not enough: Inductor still writes its generated code and the
+    libraries it builds under TORCHINDUCTOR_CACHE_DIR (/tmp/torchinductor_<user> by default), and
+    loads a library already there under the same hash without building or checking it, so a start
+    read what an earlier one (or anyone who could write there) left. While the set-up compiles,
+    Inductor and Triton work in scratch instead: an empty private directory of this start only."""
+    with _inductor_dirs(scratch / "inductor", scratch / "triton"), _fx_cache(False):
+        yield
 
 
 def inductor_cache_counters() -> dict:

@@ -17,7 +17,9 @@ On CUDA the compiled forward runs once at the largest bucket (Dynamo + Inductor)
 is captured largest first into one shared pool: the piecewise graphs, then the full decode graphs.
 """
 
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -99,7 +101,11 @@ def capture_piecewise(runner, forward: CompiledForward, buckets, progress=None) 
 def _open_cache(runner, buckets, decode_buckets):
     if not runner.config.compile_cache:
         runner.timings["compile_cache_hit"] = 0.0
-        return None, no_cache()
+        # Inductor's and Triton's directories for this start (cache.no_cache): mkdtemp makes it
+        # 0700. Removed with the runner (or at exit), not when the set-up ends: compiles begun
+        # meanwhile in precompile's threads may still write to it.
+        runner.compile_scratch = tempfile.TemporaryDirectory(prefix="pcg-compile-")
+        return None, no_cache(Path(runner.compile_scratch.name))
     cache = CompileCache(runner.config.compile_cache_dir, cache_fields(runner, buckets, decode_buckets))
     state = cache.open()
     runner.timings["compile_cache_hit"] = 1.0 if state == "hit" else 0.0

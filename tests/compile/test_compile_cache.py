@@ -331,11 +331,21 @@ def test_corrupt_cache_file_is_detected_and_rebuilt(tiny_dense, cache_root, dens
     _same_as(dense_eager, rebuilt)
 
 
-def test_cache_disabled(tiny_dense, tmp_path, dense_eager):
+def test_cache_disabled(tiny_dense, tmp_path, dense_eager, monkeypatch):
+    """compile_cache=False reads and writes nothing that outlives the start: not the cache
+    directory, and not Inductor's or Triton's own (Inductor wrote its code and built libraries to
+    TORCHINDUCTOR_CACHE_DIR, /tmp/torchinductor_<user> by default, and loaded a library found
+    there under the same hash on a later start, unchecked)."""
     root = tmp_path / "unused"
+    inductor, triton = tmp_path / "inductor", tmp_path / "triton"
+    inductor.mkdir(mode=0o700)
+    triton.mkdir(mode=0o700)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton))
     runner = make_runner(tiny_dense, "compile", compile_cache=False, compile_cache_dir=str(root))
     assert runner.timings["compile_cache_hit"] == 0.0
     assert not root.exists()
+    assert list(inductor.iterdir()) == [] and list(triton.iterdir()) == []
     assert runner.timings["inductor_cache_hits"] == 0
     _same_as(dense_eager, runner)
 
