@@ -125,6 +125,23 @@ def check_private(path: Path) -> None:
                                 f"others write it; chmod 700 it or choose another compile_cache_dir")
 
 
+def check_parents(path: Path) -> None:
+    """Refuse a cache directory under one that others can write without the sticky bit: they could
+    rename the checked directory away and put theirs in its place before Inductor or the saved
+    trace reads from it (under a sticky directory such as /tmp only the owner may rename). Group
+    write is let pass here: with per-user groups (umask 002) ~/.cache is often group-writable."""
+    absolute = Path(os.path.abspath(path))
+    for parent in dict.fromkeys([*reversed(absolute.parents), *reversed(absolute.resolve().parents)]):
+        try:
+            mode = os.stat(parent).st_mode
+        except OSError:
+            continue          # not there yet: open() creates it, as this user
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
+                                    f"lets anyone rename or replace what it holds (world-writable, no sticky bit); "
+                                    f"choose another compile_cache_dir")
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -153,6 +170,7 @@ class CompileCache:
 
     def open(self) -> str:
         """Create/verify the directories; returns 'hit' or 'miss'. Holds the key's lock until close()."""
+        check_parents(self.root)
         if not self.root.exists():
             try:
                 os.makedirs(self.root, mode=0o700, exist_ok=True)

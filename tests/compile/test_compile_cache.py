@@ -122,6 +122,24 @@ def test_refuses_group_or_world_writable_dir(tmp_path):
     again.close()
 
 
+def test_refuses_dir_under_a_world_writable_parent(tmp_path):
+    """Anyone may rename or replace what a world-writable directory without the sticky bit holds:
+    the checked, private cache directory could be swapped for theirs between the check and the
+    load. Such a parent is refused; a sticky one (/tmp) is not."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(CompileCacheError, match=r"shared.*0o777.*sticky"):
+        CompileCache(shared / "cache", FIELDS).open()
+    os.chmod(shared, 0o1777)
+    cache = CompileCache(shared / "cache", FIELDS)
+    assert cache.open() == "miss"
+    cache.close()
+    os.chmod(shared, 0o777)               # an existing cache directory under it: refused too
+    with pytest.raises(CompileCacheError, match=r"shared.*sticky"):
+        CompileCache(shared / "cache", FIELDS).open()
+
+
 def test_unwritable_cache_dir_is_named_as_the_config_field(tmp_path, monkeypatch):
     """A cache directory this user cannot write (chmod 500, a read-only mount): a PcgError naming
     compile_cache_dir and the directory (a bare PermissionError on the key's lock file before)."""
