@@ -339,3 +339,52 @@ def test_last_token_in_flight_is_not_scheduled_again(dense_path):
     assert finals["stop"].token_ids == ref[:stop_at]
     assert stop_at <= scheduled["stop"] <= stop_at + 1
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("how", ["stop", "abort"])
+def test_request_id_reused_while_old_token_in_flight(how, dense_path):
+    """Async: a request that stopped (or was aborted) still has a token in flight; a new request
+    under the same id, added at once, takes the old one's input-batch row before that token is
+    read back. The stale token must be dropped, not booked into the new request (rows, outputs,
+    detokenizers and logprobs are found by id or by row), and nothing may leak. The new prompt's
+    length puts the new request's first placeholder at the very index of the stale token, in the
+    same row: only the row's epoch tells the two apart."""
+    in_flight = 3 if how == "stop" else 2                # the old request's output index in flight
+    prompts = random_prompts([7, 7 + in_flight], seed=35)
+    llm = make_llm(dense_path, async_scheduling=True)
+    engine = llm.engine
+    ref = [o.token_ids for o in llm.generate(prompts, greedy(N, ignore_eos=True, logprobs=1))]
+    stop = ref[0][2]
+    assert stop not in ref[0][:2]
+    engine.add_request(prompts[0], greedy(N, ignore_eos=True, stop_token_ids=[stop] if how == "stop" else None,
+                                          logprobs=1), request_id="x")
+    old = engine.requests["x"]
+    # Step 1 launches the prefill (token 0); step k launches token k-1 and reads token k-2 back.
+    # "stop": step 4 reads the stop token 2 back, token 3 is in flight; "abort": after step 3,
+    # tokens 0 and 1 are read back and token 2 is in flight.
+    finals = {}
+    for _ in range(4 if how == "stop" else 3):
+        old_row = engine.runner.batch.row_of.get("x")
+        finals.update({"old": o for o in engine.step() if o.finished})
+    if how == "abort":
+        assert not finals
+        engine.abort_request("x")
+        finals["old"] = engine.pending_outputs[-1]
+        assert finals["old"].token_ids == ref[0][:2]
+    assert finals["old"].finish_reason == how and finals["old"].token_ids == ref[0][:len(finals["old"].token_ids)]
+    assert engine.inflight is not None and old in engine.inflight.requests and old.is_finished
+    assert "x" not in engine.requests and old_row is not None
+    engine.add_request(prompts[1], greedy(N, ignore_eos=True, logprobs=1), request_id="x")
+    new = engine.requests["x"]
+    outs = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        outs += [o for o in engine.step() if o.request_id == "x" and not (o.finished and o.finish_reason == "abort")]
+        if not outs:
+            assert engine.runner.batch.row_of["x"] == old_row    # the new request took the old one's row
+    assert_drained(engine)
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids == ref[1]
+    assert [lp["token"] for lp in outs[-1].logprobs] == ref[1]
+    assert new.is_finished and finals["old"].token_ids == ref[0][:len(finals["old"].token_ids)]
