@@ -18,6 +18,11 @@ from pcg_engine.errors import InvalidRequestError
 # Temperatures below this are treated as greedy: dividing float32 logits by them overflows to inf
 # (then NaN in softmax), and the distribution they describe is argmax to float32 precision anyway.
 GREEDY_TEMPERATURE = 1e-5
+# And above this it is refused: the per-row temperatures are float32, where a float64-finite value
+# past ~3.4e38 is inf; x / inf is 0 for every finite logit (top_k, top_p, min_p then keep every
+# token) and NaN for a -inf one (min_tokens' masked EOS: the row's softmax is all NaN and it draws
+# token 0 every step). At 1e6 the distribution is uniform to float32 precision already.
+MAX_TEMPERATURE = 1e6
 MAX_LOGPROBS = 20
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -71,8 +76,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
-        self.temperature = _check_float("temperature", self.temperature, lambda v: v >= 0,
-                                        ">= 0 (0 means greedy)")
+        self.temperature = _check_float("temperature", self.temperature,
+                                        lambda v: 0 <= v <= MAX_TEMPERATURE,
+                                        "in [0, 1e6] (0 means greedy)")
         self.top_p = _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise InvalidRequestError(

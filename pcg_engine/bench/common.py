@@ -68,14 +68,16 @@ def fraction(text: str) -> float:
 
 
 def temperature(text: str) -> float:
-    """An argparse type: a sampling temperature, a finite number >= 0 (0: greedy). SamplingParams
-    refuses the rest too, but only once the engine was built (a minute on a GPU)."""
+    """An argparse type: a sampling temperature, a finite number in [0, MAX_TEMPERATURE] (0: greedy).
+    SamplingParams refuses the rest too, but only once the engine was built (a minute on a GPU)."""
+    from pcg_engine.sampling_params import MAX_TEMPERATURE
+    allowed = "must be a finite number in [0, 1e6] (0 means greedy)"   # SamplingParams' wording
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 means greedy), got {text!r}") from None
-    if not 0 <= value < math.inf:      # (NaN fails too)
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 means greedy), got {value}")
+        raise argparse.ArgumentTypeError(f"{allowed}, got {text!r}") from None
+    if not 0 <= value <= MAX_TEMPERATURE:      # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"{allowed}, got {value}")
     return value
 
 

@@ -36,8 +36,9 @@ def test_greedy_is_argmax(device, dtype):
 
 @pytest.mark.parametrize("params", [
     SP(top_k=1), SP(top_p=1e-6), SP(min_p=1.0), SP(top_k=1, top_p=0.9, temperature=3.0),
-    SP(top_p=1e-6, temperature=5.0, seed=3), SP(min_p=1.0, top_k=50, top_p=0.5)],
-    ids=["top_k=1", "top_p~0", "min_p=1", "k1+p", "p~0 seeded", "min_p=1+k+p"])
+    SP(top_p=1e-6, temperature=5.0, seed=3), SP(min_p=1.0, top_k=50, top_p=0.5),
+    SP(temperature=1e6, top_k=1, min_tokens=2)],
+    ids=["top_k=1", "top_p~0", "min_p=1", "k1+p", "p~0 seeded", "min_p=1+k+p", "k1 at max temperature"])
 def test_degenerate_warpers_equal_greedy(device, params):
     logits = torch.randn(64, 500, device=device) * 3
     out = Sampler()(logits, tensors([params] * 64, 500, device))

@@ -9,8 +9,11 @@ from pcg_engine.sampling_params import SamplingParams
 BAD = [
     ("max_tokens", 0, ">= 1"), ("max_tokens", -3, ">= 1"), ("max_tokens", 1.5, ">= 1"),
     ("max_tokens", True, ">= 1"), ("max_tokens", "16", ">= 1"), ("max_tokens", None, ">= 1"),
-    ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"),
-    ("temperature", math.inf, ">= 0"), ("temperature", "1", ">= 0"), ("temperature", None, ">= 0"),
+    ("temperature", -0.1, "[0, 1e6]"), ("temperature", math.nan, "[0, 1e6]"),
+    ("temperature", math.inf, "[0, 1e6]"), ("temperature", "1", "[0, 1e6]"), ("temperature", None, "[0, 1e6]"),
+    # Finite in float64 but inf in the sampler's float32 row tensor: top_k / top_p / min_p then kept
+    # every token, and a row with a min_tokens-masked EOS drew token 0 every step.
+    ("temperature", 1e39, "[0, 1e6]"), ("temperature", 1e6 * (1 + 1e-9), "[0, 1e6]"),
     ("top_p", 0.0, "(0, 1]"), ("top_p", -0.5, "(0, 1]"), ("top_p", 1.01, "(0, 1]"),
     ("top_p", math.nan, "(0, 1]"), ("top_p", False, "(0, 1]"),
     ("top_k", 0, ">= 1"), ("top_k", -2, ">= 1"), ("top_k", 2.0, ">= 1"), ("top_k", None, ">= 1"),

@@ -562,9 +562,10 @@ def test_load_test_refuses_before_building_an_engine(flags, expected):
 @pytest.mark.parametrize("module", [latency, throughput, load_test, overhead, profile])
 @pytest.mark.parametrize("flags, expected", [
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
-    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got -1.0"),
-    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got nan"),
-    (["--temperature", "hot"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got 'hot'"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number in [0, 1e6] (0 means greedy), got -1.0"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number in [0, 1e6] (0 means greedy), got nan"),
+    (["--temperature", "hot"], "argument --temperature: must be a finite number in [0, 1e6] (0 means greedy), got 'hot'"),
+    (["--temperature", "1e39"], "argument --temperature: must be a finite number in [0, 1e6] (0 means greedy), got 1e+39"),
 ])
 def test_seed_and_temperature_refused_at_parse_time(module, flags, expected, monkeypatch, capsys):
     """Found by probing: --seed -1 was a numpy ValueError traceback (latency, throughput), and a
