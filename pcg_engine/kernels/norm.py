@@ -30,9 +30,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D,
                      stride_x, stride_r, stride_o, stride_ro, eps, stride_xs,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                      NUM_PARTIALS: tl.constexpr, PDL: tl.constexpr):
-    # NUM_PARTIALS > 1: x is a projection's split-K partials [S, rows, D] in fp32 (kernels/split_k.py,
+    # NUM_PARTIALS >= 1: x is a projection's split-K partials [S, rows, D] in fp32 (kernels/split_k.py,
     # S slices stride_xs apart); their sum, rounded to the activation dtype as the projection's
-    # output would be, is the x added to the residual.
+    # output would be, is the x added to the residual. 0: x is the activation itself.
     if PDL:  # kernels/pdl.py: x and the residual come from the kernels before
         gdc_wait()
         gdc_launch_dependents()
@@ -43,9 +43,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D,
     col_ok = cols < D
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if NUM_PARTIALS > 1:
+    if NUM_PARTIALS > 0:
         for s in tl.static_range(1, NUM_PARTIALS):
             x += tl.load(x_ptr + s * stride_xs + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        # Also for S = 1: one fp32 partial is still unrounded (the rounding once sat under
+        # `NUM_PARTIALS > 1`, so S = 1 added the fp32 product to the residual unrounded).
         x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -114,7 +116,7 @@ def _launch(x, residual, weight, eps, partials=None):
             x2.stride(-2), r2.stride(0), out.stride(0), res_out.stride(0), float(eps),
             x2.stride(0) if partials is not None else 0,
             HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-            NUM_PARTIALS=1 if partials is None else partials.shape[0], num_warps=num_warps,
+            NUM_PARTIALS=0 if partials is None else partials.shape[0], num_warps=num_warps,
             **pdl.launch_kwargs(x.device))
     return out.view(x.shape), res_out.view(x.shape)
 

@@ -53,6 +53,19 @@ def test_add_rms_norm_partials_matches_reference(dtype, splits, rows, d, device,
     torch.testing.assert_close(out, ref_out, **tol)
 
 
+@pytest.mark.parametrize("dtype,tiny", [(torch.bfloat16, 2.0 ** -10), (torch.float16, 2.0 ** -13)])
+def test_one_partial_is_rounded_before_the_residual_add(dtype, tiny, device):
+    """S = 1: the lone fp32 partial is rounded to the activation dtype, as for S > 1 (F.linear's
+    output). 1 + tiny rounds to 1, so the new residual 1 + (-1) is exactly 0; unrounded it was tiny."""
+    parts = torch.full((1, 2, 8), 1.0 + tiny, device=device)
+    residual = torch.full((2, 8), -1.0, device=device).to(dtype)
+    w = torch.ones(8, device=device, dtype=dtype)
+    out, new_res = add_rms_norm_partials(parts, residual, w, 1e-6)
+    ref_out, ref_res = add_rms_norm_partials_ref(parts, residual, w, 1e-6)
+    assert (ref_res == 0).all() and (ref_out == 0).all()
+    assert torch.equal(new_res, ref_res) and torch.equal(out, ref_out)
+
+
 def test_partials_of_the_wrong_shape_or_dtype_are_refused(device):
     residual, w = torch.randn(2, 8, device=device), torch.ones(8, device=device)
     for bad in (torch.randn(2, 8, device=device), torch.randn(4, 3, 8, device=device),
