@@ -136,9 +136,10 @@ def add_rms_norm_partials(partials: torch.Tensor, residual: torch.Tensor, weight
                           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm(x, residual, ...) where x = partials.sum(0) rounded to residual's dtype:
     partials [S, rows, D] fp32 from kernels/split_k.py, residual [rows, D]; one pass, one launch."""
-    if partials.dim() != 3 or partials.dtype != torch.float32 or partials.shape[1:] != residual.shape \
-            or partials.stride(-1) != 1 or partials.device != residual.device:
-        raise ValueError(f"partials: expected [S, {', '.join(map(str, residual.shape))}] float32 on "
+    # S >= 1: the kernel always reads partial 0 (S = 0 read past an empty tensor: a segfault on the CPU).
+    if partials.dim() != 3 or partials.shape[0] < 1 or partials.dtype != torch.float32 \
+            or partials.shape[1:] != residual.shape or partials.stride(-1) != 1 or partials.device != residual.device:
+        raise ValueError(f"partials: expected [S >= 1, {', '.join(map(str, residual.shape))}] float32 on "
                          f"{residual.device}, last dim contiguous; got {tuple(partials.shape)} {partials.dtype} "
                          f"on {partials.device}")
     return _launch(residual, residual, weight, eps, partials=partials)

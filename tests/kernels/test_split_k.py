@@ -69,7 +69,8 @@ def test_one_partial_is_rounded_before_the_residual_add(dtype, tiny, device):
 def test_partials_of_the_wrong_shape_or_dtype_are_refused(device):
     residual, w = torch.randn(2, 8, device=device), torch.ones(8, device=device)
     for bad in (torch.randn(2, 8, device=device), torch.randn(4, 3, 8, device=device),
-                torch.randn(4, 2, 8, device=device).half()):
+                torch.randn(4, 2, 8, device=device).half(),
+                torch.randn(0, 2, 8, device=device)):   # S = 0: the kernel would read partial 0 anyway
         with pytest.raises(ValueError, match="partials: expected"):
             add_rms_norm_partials(bad, residual, w, 1e-6)
 
