@@ -36,7 +36,7 @@ def plan_key(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs:
              scale: float, num_splits: int, tuning, search: int):
     """Everything but the tensors' addresses that unified_attention's launches depend on. One
     tuple per call, strides as whole tuples (one call each, not one per dim)."""
-    return (fast_launch.current_device(), q.shape, q.stride(), q.dtype, out.stride(), out.dtype,
+    return (fast_launch.current_device(), q.shape, q.stride(), q.dtype, out.shape, out.stride(), out.dtype,
             kv_cache.shape, kv_cache.stride(), kv_cache.dtype, block_table.stride(), block_table.dtype,
             query_start_loc.dtype, seq_lens.dtype, num_reqs, max_query_len, scale, num_splits, tuning, search,
             pdl.active())

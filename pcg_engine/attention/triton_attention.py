@@ -290,6 +290,7 @@ def cached_plan(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_re
 def _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, max_query_len, scale,
             num_splits, tuning, record: bool = False):
     """unified_attention through the JIT; with `record`, returns its AttentionPlan (or None)."""
+    _check_args(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs)
     T, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
@@ -353,6 +354,26 @@ def _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, 
         return None
     return launch_plan.AttentionPlan(main, merge, part_numel, n_out * 4, q.device,
                                      counters.data_ptr() if v.fused_merge else None)
+
+
+def _check_args(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs: int) -> None:
+    """Shapes and dtypes the kernel takes on trust: out is written at q's row and head strides for
+    q's shape, and the cache is read with q's head_dim, so a mismatch wrote out of bounds or
+    attended garbage without an error. Runs on the JIT path only: a plan's key (shapes included)
+    can only match a call whose first occurrence passed here."""
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [T, Hq, D], got {tuple(q.shape)}")
+    if out.shape != q.shape:
+        raise ValueError(f"out: expected q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != q.shape[2]:
+        raise ValueError(f"kv_cache: expected [2, num_blocks, block_size, Hk, {q.shape[2]}] (q's head_dim), "
+                         f"got {tuple(kv_cache.shape)}")
+    for name, t, rows in (("query_start_loc", query_start_loc, num_reqs + 1), ("seq_lens", seq_lens, num_reqs),
+                          ("block_table", block_table, num_reqs)):
+        if t.dtype not in (torch.int32, torch.int64) or t.dim() != (2 if name == "block_table" else 1) \
+                or t.shape[0] < rows:
+            raise ValueError(f"{name}: expected int32/int64 with >= {rows} rows"
+                             f"{', 2-D' if name == 'block_table' else ', 1-D'}; got {tuple(t.shape)} {t.dtype}")
 
 
 def _jit(kernel, grid, args, kwargs, slots: int, record: bool):

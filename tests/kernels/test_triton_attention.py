@@ -168,6 +168,25 @@ def test_kernel_variant_follows_the_tuning():
     assert kv(16, 8, 128, 1, 32) == kv(16, 8, 128, 1, 32, triton_attention.SPLIT_DECODE_TUNING)
 
 
+def test_mismatched_arguments_are_refused_by_name():
+    """The kernel trusts out's shape and the cache's head_dim: an out of another shape was written
+    out of bounds (or partly left unwritten) and a cache of another head_dim attended garbage,
+    both without an error; a 1-D block table gave an IndexError."""
+    specs = [(3, 10), (1, 5)]
+    q, cache, meta = make_batch(specs, 4, 4, 4, 2, 32, torch.float32)
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.num_reqs, meta.max_query_len, 0.1)
+    bad = {
+        "out": (q, cache, torch.zeros(6, 4, 32, device=DEVICE), *args),   # larger than q: no overrun here
+        "kv_cache": (q, torch.randn(2, cache.shape[1], 4, 2, 64, device=DEVICE), torch.zeros_like(q), *args),
+        "block_table": (q, cache, torch.zeros_like(q), meta.query_start_loc, meta.seq_lens, meta.block_table[0],
+                        *args[3:]),
+        "query_start_loc": (q, cache, torch.zeros_like(q), meta.query_start_loc[:2], *args[1:]),
+    }
+    for name, call in bad.items():
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            unified_attention(*call)
+
+
 def backend_step(backend, q, k, v, positions, out, cache, meta):
     """What one layer's two ops do (attention/op.py): RoPE + KV write, then attention into out."""
     T, D = q.shape[0], backend.head_dim
