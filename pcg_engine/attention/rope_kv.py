@@ -101,6 +101,29 @@ def _rope_kv_kernel(
     tl.store(base + stride_c_kv + hk * stride_c_h + dfull, vv.to(cache_ty), mask=mk)
 
 
+def _check_shapes(q, k, v, positions, cos_sin, slot_mapping, q_out, q_norm, k_norm) -> None:
+    """The kernel indexes k, v, positions, slots, cos_sin, q_out and the norm weights with q's T and
+    head_dim: a shorter or narrower one was read or written out of bounds without an error."""
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [T, Hq, D], got {tuple(q.shape)}")
+    T, _, D = q.shape
+    if k.dim() != 3 or k.shape[0] != T or k.shape[2] != D:
+        raise ValueError(f"k: expected [{T}, Hk, {D}] (q's T and head_dim), got {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape != (T,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected [{T}] int32/int64, got {tuple(t.shape)} {t.dtype}")
+    if cos_sin.dim() != 2 or cos_sin.shape[0] < 1 or cos_sin.shape[1] != D or cos_sin.stride(1) != 1:
+        raise ValueError(f"cos_sin: expected [max_pos >= 1, {D}] (last dim contiguous), got {tuple(cos_sin.shape)}")
+    if q_out is not None and q_out.shape != q.shape:
+        raise ValueError(f"q_out: expected q's shape {tuple(q.shape)}, got {tuple(q_out.shape)}")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (D,) or w.stride(0) != 1):
+            raise ValueError(f"{name}: expected [{D}] (head_dim) contiguous, got {tuple(w.shape)} "
+                             f"stride {w.stride()}")
+
+
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       q_out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
@@ -114,6 +137,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     """
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm, k_norm: give both per-head norm weights or neither")
+    _check_shapes(q, k, v, positions, cos_sin, slot_mapping, q_out, q_norm, k_norm)
     T, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"

@@ -97,3 +97,25 @@ def test_rope_kv_with_head_norm_matches_norm_then_reference(T, Hq, Hk, D, dtype,
     assert not torch.allclose(got.float(), apply_rope(q, positions, cos_sin).float(), atol=1e-3)
     with pytest.raises(ValueError, match="both"):
         rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots, q_norm=q_norm)
+
+
+def test_mismatched_arguments_are_refused_by_name():
+    """The kernel takes T and head_dim from q and trusts every other argument to match: a narrower
+    k or v, a shorter positions / slot_mapping, a cos_sin of another head_dim or a norm weight of
+    another length was read out of bounds (garbage in the cache or q, no error)."""
+    q, k, v, positions, cos_sin, slots, cache = _case(4, 4, 2, 32, torch.float32, 4, 6, 1, False)
+    w = torch.ones(32, device=DEVICE)
+    base = dict(q=q, k=k, v=v, positions=positions, cos_sin=cos_sin, kv_cache=cache, slot_mapping=slots)
+    bad = {
+        "k": dict(k=k[..., :16]),
+        "v": dict(v=v[..., :16]),
+        "positions": dict(positions=positions[:2]),
+        "slot_mapping": dict(slot_mapping=slots.float()),
+        "cos_sin": dict(cos_sin=rope_cache(16, 64, 10000.0, device=DEVICE)),
+        "q_out": dict(q_out=torch.empty(4, 4, 64, device=DEVICE)),
+        "q_norm": dict(q_norm=torch.ones(16, device=DEVICE), k_norm=w),
+        "k_norm": dict(q_norm=w, k_norm=torch.ones(64, device=DEVICE)[::2]),
+    }
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            rope_and_write_kv(**{**base, **change})
