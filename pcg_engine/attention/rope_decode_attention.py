@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from pcg_engine.attention.launch_config import _clamp_splits, host_cdiv, kernel_variant
-from pcg_engine.attention.rope_kv import _head_rms_norm
+from pcg_engine.attention.rope_kv import _check_shapes, _head_rms_norm
 from pcg_engine.attention.triton_attention import _INTERPRET, _attend_tiles, _merge_splits_kernel
 from pcg_engine.kernels import pdl
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
@@ -201,9 +201,18 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
     assert num_heads % num_kv_heads == 0 and k.shape[1] == num_kv_heads and kv_cache.shape[4] == head_dim
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(2) == 1
-    assert kv_cache.stride(4) == 1 and block_table.stride(1) == 1
     if not 1 <= num_reqs <= T:
         raise ValueError(f"num_reqs: {num_reqs} must be in 1..{T} (one decode token a request)")
+    # The kernel indexes everything with q's T and head_dim and num_reqs (as rope_kv's and
+    # unified_attention's launchers check): a mismatch would be read or written out of bounds.
+    _check_shapes(q, k, v, positions, cos_sin, slot_mapping, q_out, q_norm, k_norm)
+    if out.shape != q.shape:
+        raise ValueError(f"out: expected q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    for name, t, dims in (("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
+        if t.dim() != dims or t.shape[0] < num_reqs or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected int32/int64, {dims}-D, >= {num_reqs} rows; "
+                             f"got {tuple(t.shape)} {t.dtype}")
+    assert kv_cache.stride(4) == 1 and block_table.stride(1) == 1
     v_ = kernel_variant(num_heads, num_kv_heads, head_dim, 1, num_splits, tuning)
     if v_.fused_merge:
         raise ValueError("rope_decode_attention merges splits with the merge kernel: tuning.fused_merge must be off")

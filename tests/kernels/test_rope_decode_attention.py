@@ -166,6 +166,27 @@ def test_fused_launch_checks():
         rope_decode_attention(*args, 1, s["scale"], 4, tuning=GRAPH_SPLIT_DECODE_TUNING._replace(fused_merge=True))
 
 
+def test_mismatched_arguments_are_refused_by_name():
+    """Like rope_and_write_kv and unified_attention: a narrower v, shorter positions or seq_lens, a
+    cos_sin of another head_dim or an out of another shape was read or written out of bounds
+    without an error; a 1-D block table gave an IndexError."""
+    s = make_step([5, 9], 0, 4, 2, 32, 4, torch.float32)
+    base = dict(q=s["q"], k=s["k"], v=s["v"], positions=s["positions"], cos_sin=s["cos_sin"], kv_cache=s["cache"],
+                slot_mapping=s["slots"], out=torch.zeros_like(s["q"]), seq_lens=s["seq_lens"],
+                block_table=s["block_table"], num_reqs=2, scale=s["scale"], num_splits=2)
+    bad = {
+        "v": dict(v=s["v"][..., :16]),
+        "positions": dict(positions=s["positions"][:1]),
+        "cos_sin": dict(cos_sin=s["cos_sin"][:, :16]),
+        "out": dict(out=torch.zeros(4, 4, 32, device=DEVICE)),   # larger than q: no overrun here
+        "seq_lens": dict(seq_lens=s["seq_lens"][:1]),
+        "block_table": dict(block_table=s["block_table"][0]),
+    }
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            rope_decode_attention(**{**base, **change})
+
+
 # ---------------------------------------------------------------- GPU: real shapes, CUDA graphs
 
 REAL_LENS = [1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 383, 384, 385, 1023, 1024, 1025, 8191, 8192]
