@@ -53,6 +53,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> silu(x[..., :I]) * x[..., I:] as a new contiguous [..., I] in x.dtype."""
     if x.dim() < 1 or x.shape[-1] % 2 or x.shape[-1] == 0:
         raise ValueError(f"x: expected shape [..., 2I] with an even, nonzero last dim, got {tuple(x.shape)}")
+    if not x.is_floating_point():  # an integer x came back as truncated fp32 math (zeros)
+        raise ValueError(f"x: expected a floating-point dtype, got {x.dtype}")
     width = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * width)
     if x2.stride(-1) != 1:

@@ -294,6 +294,8 @@ def _check(x, w13, w2, topk_weights, topk_ids):
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_ids, topk_weights: expected int32/int64 and float, got "
                          f"{topk_ids.dtype}, {topk_weights.dtype}")
+    if not x.is_floating_point():  # an integer x failed inside Triton's dot with an obscure error
+        raise ValueError(f"x: expected a floating-point dtype, got {x.dtype}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"w13, w2: expected x's dtype {x.dtype}, got {w13.dtype}, {w2.dtype}")
     devices = {t.device for t in (x, w13, w2, topk_weights, topk_ids)}

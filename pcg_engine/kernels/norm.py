@@ -80,6 +80,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x: expected shape [..., D] with D > 0, got {tuple(x.shape)}")
     d = x.shape[-1]
+    # Integer tensors went through the kernel's fp32 math and came back truncated (all zeros).
+    if not x.is_floating_point() or not weight.is_floating_point():
+        raise ValueError(f"x, weight: expected floating-point dtypes, got {x.dtype}, {weight.dtype}")
     if weight.shape != (d,):
         raise ValueError(f"weight: expected shape ({d},) to match x's last dim, got {tuple(weight.shape)}")
     if weight.device != x.device:

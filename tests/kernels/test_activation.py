@@ -53,6 +53,8 @@ def test_bf16_and_bad_shapes(device):
     assert silu_and_mul(torch.randn(0, 8, device=device)).shape == (0, 4)
     with pytest.raises(ValueError, match="x"):
         silu_and_mul(torch.randn(2, 7, device=device))
+    with pytest.raises(ValueError, match="x: expected a floating-point"):   # was: zeros
+        silu_and_mul(torch.ones(2, 8, dtype=torch.int32, device=device))
 
 
 @pytest.mark.gpu

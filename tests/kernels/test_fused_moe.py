@@ -124,6 +124,8 @@ def test_half_precision_and_bad_inputs(device):
         fused_moe(x, w13.float(), w2, topk_weights, topk_ids)
     with pytest.raises(ValueError, match="topk"):
         fused_moe(x, w13, w2, topk_weights, topk_ids[:, :1])
+    with pytest.raises(ValueError, match="x: expected a floating-point"):   # was: an error inside Triton
+        fused_moe(x.long(), w13.long(), w2.long(), topk_weights, topk_ids)
 
 
 A3B = dict(num_experts=128, d=2048, inter=768, top_k=8)  # Qwen3-30B-A3B's MoE layer

@@ -89,6 +89,8 @@ def test_empty_batch_and_bad_shapes(device):
         rms_norm(torch.randn(2, 8, device=device), w, 1e-6)
     with pytest.raises(ValueError, match="residual"):
         add_rms_norm(torch.randn(2, 16, device=device), torch.randn(3, 16, device=device), w, 1e-6)
+    with pytest.raises(ValueError, match="x, weight: expected floating-point"):   # was: zeros
+        rms_norm(torch.ones(2, 16, dtype=torch.int32, device=device), w, 1e-6)
 
 
 @pytest.mark.gpu
