@@ -23,6 +23,7 @@ GREEDY_TEMPERATURE = 1e-5
 # token) and NaN for a -inf one (min_tokens' masked EOS: the row's softmax is all NaN and it draws
 # token 0 every step). At 1e6 the distribution is uniform to float32 precision already.
 MAX_TEMPERATURE = 1e6
+TEMPERATURE_RANGE = "in [0, 1e6] (0 means greedy)"   # the error's wording, here and in the benchmarks' flag
 MAX_LOGPROBS = 20
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -78,7 +79,7 @@ class SamplingParams:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
         self.temperature = _check_float("temperature", self.temperature,
                                         lambda v: 0 <= v <= MAX_TEMPERATURE,
-                                        "in [0, 1e6] (0 means greedy)")
+                                        TEMPERATURE_RANGE)
         self.top_p = _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise InvalidRequestError(

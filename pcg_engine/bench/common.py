@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import subprocess
@@ -70,8 +69,8 @@ def fraction(text: str) -> float:
 def temperature(text: str) -> float:
     """An argparse type: a sampling temperature, a finite number in [0, MAX_TEMPERATURE] (0: greedy).
     SamplingParams refuses the rest too, but only once the engine was built (a minute on a GPU)."""
-    from pcg_engine.sampling_params import MAX_TEMPERATURE
-    allowed = "must be a finite number in [0, 1e6] (0 means greedy)"   # SamplingParams' wording
+    from pcg_engine.sampling_params import MAX_TEMPERATURE, TEMPERATURE_RANGE
+    allowed = f"must be a finite number {TEMPERATURE_RANGE}"
     try:
         value = float(text)
     except ValueError:
