@@ -44,8 +44,7 @@ def _add_generate(sub):
 def _read_prompts(args, sources: list | None = None) -> list[str]:
     """The prompts of --prompt and --prompts-file; where each came from ("--prompt #2",
     "--prompts-file: line 7") is appended to `sources` when given, for the errors that name one."""
-    from pcg_engine.prompt_files import parse_json, read_lines
-    from pcg_engine.sampling_params import SamplingParams
+    from pcg_engine.prompt_files import parse_json, read_lines, sampling_field
     prompts = list(args.prompt)
     if sources is not None:
         sources += ["--prompt" if len(prompts) == 1 else f"--prompt #{i + 1}" for i in range(len(prompts))]
@@ -57,7 +56,7 @@ def _read_prompts(args, sources: list | None = None) -> list[str]:
                     raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field: {line[:80]}")
                 # {"prompt": ..., "max_tokens": 5} ran with --max-tokens' value, the line's dropped
                 # without a word: every prompt takes the flags' sampling parameters.
-                own = next((k for k in obj if k in SamplingParams.field_names()), None)
+                own = sampling_field(obj)
                 if own is not None:
                     flag = f"--{own.replace('_', '-')}"
                     raise SystemExit(f"--prompts-file: line {number}: {own!r} is not read from a prompt line; every "

@@ -26,3 +26,12 @@ def parse_json(line: str, number: int, flag: str):
         return json.loads(line)
     except json.JSONDecodeError as e:
         raise SystemExit(f"{flag}: line {number} is not valid JSON ({e.msg}): {line[:80]}") from None
+
+
+def sampling_field(obj: dict) -> str | None:
+    """The first key of a JSON line that names a SamplingParams field, if any. Neither command reads
+    sampling from a line (generate takes its flags', a dataset gives only output_len), and such a
+    key was dropped without a word: each caller refuses the line, naming it."""
+    from pcg_engine.sampling_params import SamplingParams
+    names = SamplingParams.field_names()
+    return next((k for k in obj if k in names), None)

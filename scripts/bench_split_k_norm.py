@@ -40,7 +40,7 @@ def main():
 
         def partial_norm(p, warps=None):
             if warps:
-                norm._launch_config = lambda r, d: (*real_config(r, d)[:2], warps)
+                norm._launch_config = lambda r, d, partials=False: (*real_config(r, d, partials)[:2], warps)
             try:
                 return norm._launch(res, res, nw, 1e-6, partials=p)
             finally:

@@ -24,7 +24,7 @@
 # capture (scripts/bench_capture.py: a graph capture's host cost by phase; CAPTURE_ARGS), capture_engine (its --engine run), p5prof (p5 with cProfile text per run),
 # splitk (scripts/bench_split_k_norm.py: 8B's o/down + norm, cuBLAS vs kernels/split_k.py and its variants; then test_split_k.py's gpu tests),
 # p1solo (P1 of each of SOLO_MODES in its own process, alternated SOLO_ROUNDS times, then SOLO_PAIR in one process; AB_MODEL, default 8B),
-# secondprobe (scripts/second_engine_probe.py per variant of PROBE_VARIANTS: plain, --reset-leaked, --keep-cache, --clear-cublas, expandable, VAR=value; PROBE_MODES, AB_MODEL),
+# secondprobe (scripts/second_engine_probe.py per variant of PROBE_VARIANTS: plain, --keep-cache, --clear-cublas, expandable, VAR=value; PROBE_MODES, AB_MODEL),
 # b1probe (scripts/attention_b1_probe.py: B1 x 8192 decode attention's parts against a copy and a read of its bytes).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
@@ -186,8 +186,8 @@ m = {c: sorted(r['python_median_us'] for r in runs)[len(runs) // 2] for c, runs 
           [ -n "${SOLO_PAIR:-}" ] && timeout $(lim 200) $B latency --model $(model ${AB_MODEL:-qwen3-8b}) --modes $SOLO_PAIR --num-iters 2 \
               --warmup-iters 1 --json $OUT/p1solo_pair.json 2>&1 | grep -E "^│ (full|piece|eager)" | sed "s/^/pair /"
           kill $SMI ;;
-    secondprobe) for v in ${PROBE_VARIANTS:-plain --reset-leaked}; do   # scripts/second_engine_probe.py: engines one after another in one process
-            # a variant: plain, a flag of the script (--reset-leaked, --keep-cache), or expandable (the allocator's expandable segments)
+    secondprobe) for v in ${PROBE_VARIANTS:-plain}; do   # scripts/second_engine_probe.py: engines one after another in one process
+            # a variant: plain, a flag of the script (--keep-cache, --clear-cublas), or expandable (the allocator's expandable segments)
             # or VAR=value (an environment switch, e.g. PCG_FAST_LAUNCH=0)
             case $v in plain) a="" e="" ;; expandable) a="" e="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" ;; *=*) a="" e=$v ;; *) a=$v e="" ;; esac
             env $e timeout $(lim 150) python3 scripts/second_engine_probe.py --model $(model ${AB_MODEL:-qwen3-8b}) \

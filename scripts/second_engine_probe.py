@@ -1,16 +1,16 @@
 """Why a process's second engine decodes slower than its first (H200, Qwen3-8B batch 1, PDL on:
 +0.07 to +0.14 ms a token; docs/PERF.md, session 19). Builds one engine per mode of --modes in
 this process, one after another, and for each prints its batch-1 TPOT and what the previous
-engines left behind after LLM.close(): CUDA graphs still alive (gc), reserved memory, threads.
+engines left behind after LLM.close(): engine objects still alive (any of them would keep its CUDA
+graphs), reserved memory, threads.
 
     python scripts/second_engine_probe.py --model /tmp/models/qwen3-8b --modes full_decode,full_decode
-    python scripts/second_engine_probe.py ... --reset-leaked   # reset graphs found alive after a close
     python scripts/second_engine_probe.py ... --keep-cache     # close() without torch.cuda.empty_cache()
     python scripts/second_engine_probe.py ... --clear-cublas   # drop torch's cuBLAS workspaces after a close
 
---reset-leaked tests the hypothesis that graphs the closed engine leaves alive slow the next one
-(pybind's CUDAGraph is not gc-tracked, so the engine objects that would hold them are counted
-too); --keep-cache lets the next engine reuse the closed one's memory segments instead of the
+The engine objects are counted, not torch.cuda.CUDAGraph itself: a pybind object is not gc-tracked,
+so gc never lists one (session 19's --reset-leaked, which reset the graphs gc listed, found none).
+--keep-cache lets the next engine reuse the closed one's memory segments instead of the
 driver mapping new ones; --clear-cublas drops the cuBLAS workspaces torch keeps per handle and
 stream (the capture stream's among them), which outlive the engine.
 """
@@ -26,10 +26,6 @@ import torch
 
 from pcg_engine.bench import common
 from pcg_engine.llm import LLM
-
-
-def live_graphs() -> list:
-    return [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
 
 
 def live_holders() -> dict:
@@ -60,7 +56,6 @@ def main():
     p.add_argument("--model", required=True)
     p.add_argument("--modes", default="full_decode,full_decode")
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--reset-leaked", action="store_true")
     p.add_argument("--keep-cache", action="store_true")
     p.add_argument("--clear-cublas", action="store_true")
     p.add_argument("--json")
@@ -80,26 +75,17 @@ def main():
             torch.cuda.empty_cache = empty_cache
         del llm
         gc.collect()
-        leaked = live_graphs()
-        row.update(graphs_alive_after_close=len(leaked), reserved_mib_after_close=torch.cuda.memory_reserved() >> 20,
+        row.update(reserved_mib_after_close=torch.cuda.memory_reserved() >> 20,
                    threads_after_close=threading.active_count(), alive_after_close=live_holders())
         if args.clear_cublas:
             torch.cuda.synchronize()
             torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
             row["reserved_mib_after_clear_cublas"] = torch.cuda.memory_reserved() >> 20
-        if args.reset_leaked:
-            for g in leaked:
-                g.reset()
-            del leaked
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            row["reserved_mib_after_reset"] = torch.cuda.memory_reserved() >> 20
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
-        common.write_json(args.json, {"rows": rows, "reset_leaked": args.reset_leaked, "keep_cache": args.keep_cache,
+        common.write_json(args.json, {"rows": rows, "keep_cache": args.keep_cache,
                                     "clear_cublas": args.clear_cublas,
                                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), **common.env_record(args.model, "cuda")})
 

@@ -40,3 +40,11 @@ class AttentionMetadata:
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def check_index_tensor(name: str, t: torch.Tensor, dims: int, rows: int) -> None:
+    """A metadata tensor the attention kernels index with the launch's host values (query_start_loc,
+    seq_lens, block_table): integer, `dims`-D, at least `rows` rows. A shorter or float one was read
+    out of bounds or failed deep inside Triton; the launchers call this before their JIT launch."""
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() != dims or t.shape[0] < rows:
+        raise ValueError(f"{name}: expected int32/int64, {dims}-D, >= {rows} rows; got {tuple(t.shape)} {t.dtype}")

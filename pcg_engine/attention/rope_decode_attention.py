@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pcg_engine.attention.metadata import check_index_tensor
 from pcg_engine.attention.launch_config import _clamp_splits, host_cdiv, kernel_variant
 from pcg_engine.attention.rope_kv import _check_shapes, _head_rms_norm
 from pcg_engine.attention.triton_attention import _INTERPRET, _attend_tiles, _merge_splits_kernel
@@ -208,10 +209,8 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     _check_shapes(q, k, v, positions, cos_sin, slot_mapping, q_out, q_norm, k_norm)
     if out.shape != q.shape:
         raise ValueError(f"out: expected q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
-    for name, t, dims in (("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
-        if t.dim() != dims or t.shape[0] < num_reqs or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: expected int32/int64, {dims}-D, >= {num_reqs} rows; "
-                             f"got {tuple(t.shape)} {t.dtype}")
+    check_index_tensor("seq_lens", seq_lens, 1, num_reqs)
+    check_index_tensor("block_table", block_table, 2, num_reqs)
     assert kv_cache.stride(4) == 1 and block_table.stride(1) == 1
     v_ = kernel_variant(num_heads, num_kv_heads, head_dim, 1, num_splits, tuning)
     if v_.fused_merge:

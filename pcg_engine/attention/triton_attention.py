@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from pcg_engine.attention import launch_plan
+from pcg_engine.attention.metadata import check_index_tensor
 from pcg_engine.kernels import fast_launch, pdl
 from pcg_engine.attention.split_merge import (  # noqa: F401  (re-exported: tests, rope_decode_attention)
     _COUNTERS, _merge_partials, _merge_splits_kernel, _split_counters)
@@ -368,12 +369,9 @@ def _check_args(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_re
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != q.shape[2]:
         raise ValueError(f"kv_cache: expected [2, num_blocks, block_size, Hk, {q.shape[2]}] (q's head_dim), "
                          f"got {tuple(kv_cache.shape)}")
-    for name, t, rows in (("query_start_loc", query_start_loc, num_reqs + 1), ("seq_lens", seq_lens, num_reqs),
-                          ("block_table", block_table, num_reqs)):
-        if t.dtype not in (torch.int32, torch.int64) or t.dim() != (2 if name == "block_table" else 1) \
-                or t.shape[0] < rows:
-            raise ValueError(f"{name}: expected int32/int64 with >= {rows} rows"
-                             f"{', 2-D' if name == 'block_table' else ', 1-D'}; got {tuple(t.shape)} {t.dtype}")
+    check_index_tensor("query_start_loc", query_start_loc, 1, num_reqs + 1)
+    check_index_tensor("seq_lens", seq_lens, 1, num_reqs)
+    check_index_tensor("block_table", block_table, 2, num_reqs)
 
 
 def _jit(kernel, grid, args, kwargs, slots: int, record: bool):

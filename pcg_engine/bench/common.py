@@ -165,9 +165,8 @@ def add_process_per_mode_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _fresh_processes(args, n_modes: int) -> bool:
-    choice = getattr(args, "process_per_mode", "off")
-    if choice != "auto":
-        return choice == "on"
+    if args.process_per_mode != "auto":
+        return args.process_per_mode == "on"
     if n_modes < 2 or args.device.startswith("cpu"):
         return False
     import torch
@@ -185,7 +184,7 @@ def run_each_mode(args, model: str, run_mode, describe: str, module: str | None 
     from rich.console import Console
     console = Console(stderr=True)
     modes = parse_modes(args.modes)
-    if getattr(args, "mode_result", None):
+    if args.mode_result:
         (name, mode_kw), = modes
         result = _run_one_mode(args, model, run_mode, describe, name, mode_kw, console)
         Path(args.mode_result).write_text(json.dumps(result), encoding="utf-8")

@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pcg_engine.bench import common
-from pcg_engine.prompt_files import parse_json, read_lines
-from pcg_engine.sampling_params import SamplingParams
+from pcg_engine.prompt_files import parse_json, read_lines, sampling_field
 
 DEFAULT_NUM_PROMPTS = 500      # random prompts; a dataset's default is all of its lines
 
@@ -36,7 +35,7 @@ def read_dataset(path: str) -> list[tuple[int, str | list[int], int | None]]:
                              f"token ids (integers >= 0)")
         # A sampling parameter on the line ("max_tokens": 50, where output_len was meant) was dropped
         # without a word: the request ran with the default output length.
-        own = next((k for k in obj if k in SamplingParams.field_names()), None)
+        own = sampling_field(obj)
         if own is not None:
             raise SystemExit(f"--dataset: line {number}: {own!r} is not read from a dataset line; a line gives "
                              f"\"prompt\" and \"output_len\" (the output length in tokens)")

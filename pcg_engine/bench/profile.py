@@ -25,12 +25,9 @@ import torch
 from pcg_engine.bench import common, profile_analysis
 from pcg_engine.bench.overhead import CONFIGS as OVERHEAD_CONFIGS
 
-# The overhead table's configs, and the CUDA default mode with async scheduling: batch-1 decode of
-# Qwen3-8B reads ~0.14 ms a token slower in full_and_piecewise than in full_decode (P1, sessions
-# 13-18), though both replay the same full decode graphs; its kernel table says whether that time is
-# on the device or between steps. It said: neither mode; the config profiled second was slower
-# (session 19), as P1's second mode in one process is (bench/common.py, --process-per-mode). The
-# configs here still share one process: compare a config with itself across runs, or run one each.
+# The overhead table's configs and the CUDA default mode. They share one process, and a process's
+# later engine decodes ~3% slower with PDL on (docs/PERF.md, session 19; bench/common.py's
+# --process-per-mode): compare a config with itself across runs, or profile one config a run.
 CONFIGS = OVERHEAD_CONFIGS + [("full + piecewise + async",
                                dict(mode="full_and_piecewise", fuse=True, async_scheduling=True))]
 GRAPH_MODES = ("full_decode", "full_and_piecewise")

@@ -61,14 +61,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, D,
              (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_config(n_rows: int, d: int) -> tuple[int, int, int]:
+def _launch_config(n_rows: int, d: int, partials: bool = False) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps): about 4K elements a program, 16 per thread (two 16-byte
     bf16 vectors per load), but never so many rows a program that a small batch runs on a
-    handful of SMs."""
+    handful of SMs. With split-K partials each program reads S fp32 rows per output row (4 x 16 KB
+    at Qwen3-8B's 4096): twice the warps keep twice the loads in flight. Qwen3-8B's o and down +
+    this norm at one row, 4 splits (scripts/bench_split_k_norm.py, H200, session 19): 14.17 -> 13.34
+    and 30.00 -> 29.27 us with 16 warps instead of 8."""
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(64, 4096 // block_d, triton.next_power_of_2(triton.cdiv(n_rows, 512))))
     num_warps = max(1, min(16, block_r * block_d // 512))
-    return block_r, block_d, num_warps
+    return block_r, block_d, min(16, 2 * num_warps) if partials else num_warps
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -107,13 +110,7 @@ def _launch(x, residual, weight, eps, partials=None):
         r2 = _rows(residual, d)
         res_out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n > 0:
-        block_r, block_d, num_warps = _launch_config(n, d)
-        if partials is not None:
-            # Each program reads S fp32 rows per output row (4 x 16 KB at Qwen3-8B's 4096): twice
-            # the warps keep twice the loads in flight. Qwen3-8B's o and down + this norm at one row,
-            # 4 splits (scripts/bench_split_k_norm.py, H200, session 19): 14.17 -> 13.34 and
-            # 30.00 -> 29.27 us with 16 warps instead of 8.
-            num_warps = min(16, 2 * num_warps)
+        block_r, block_d, num_warps = _launch_config(n, d, partials is not None)
         _rms_norm_kernel[(triton.cdiv(n, block_r),)](
             x2, r2, weight.contiguous(), out, res_out, n, d,
             x2.stride(-2), r2.stride(0), out.stride(0), res_out.stride(0), float(eps),
