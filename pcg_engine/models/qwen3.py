@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.rope_kv_write, .attention)
+from pcg_engine.kernels import l2_prefetch
 from pcg_engine.models.layers import Embedding, Linear, Projection, RMSNorm, _kernel_ops, silu_and_mul
 from pcg_engine.models.moe import SparseMoE
 
@@ -58,6 +59,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        l2_prefetch.ahead(self.o_proj.weight, "attention")
         # Two ops (attention/op.py). The first applies the per-head q/k RMSNorm, RoPE and the KV
         # write in one launch and stays in the compiled piece (and its CUDA graph); only the
         # attention op splits the graph and runs eagerly between pieces.
@@ -87,6 +89,7 @@ class MLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU-and-mul and the down projection of the fused gate/up output."""
+        l2_prefetch.ahead(self.down_proj.weight, "silu")
         if self.use_kernels and self.down_proj.use_kernels:
             # The down projection takes the skinny GEMM for few rows: SiLU-and-mul folds into it.
             return _kernel_ops().silu_mul_linear(gate_up, self.down_proj.weight)
@@ -109,6 +112,8 @@ class DecoderLayer(nn.Module):
         # With kernels, a norm followed by a fused projection that takes the skinny GEMM folds into
         # it (torch.ops.pcg.add_rms_norm_linear: one launch for few rows, the two kernels otherwise).
         attn, mlp = self.self_attn, self.mlp
+        if hasattr(attn, "qkv_proj"):
+            l2_prefetch.ahead(attn.qkv_proj.weight, "norm")
         if residual is None:
             residual = h
             h = attn(positions, self.input_layernorm(h))
@@ -120,6 +125,8 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(h, residual)
             h = attn(positions, h)
+        if hasattr(mlp, "gate_up_proj"):
+            l2_prefetch.ahead(mlp.gate_up_proj.weight, "norm")
         if isinstance(mlp, MLP) and h.dim() == 2 and _folds(self.post_attention_layernorm,
                                                             getattr(mlp, "gate_up_proj", None)):
             ln = self.post_attention_layernorm
