@@ -111,7 +111,7 @@ def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk") -> 
 # Where the model asks (models/qwen3.py), an A/B switch read at import while it is measured:
 # PCG_L2_PREFETCH= (off) | o (o_proj's whole weight before RoPE + attention) | all (also the first
 # GAP_BYTES of gate_up before the norm, of down before SiLU, of qkv before the layer's input norm).
-PLAN = os.environ.get("PCG_L2_PREFETCH", "")
+PLAN = os.environ.get("PCG_L2_PREFETCH", "").replace("0", "")
 PLAN_MODE = os.environ.get("PCG_L2_PREFETCH_MODE", "bulk_evict_last")
 # what the bus moves in the gap: the norm's ~2.8 µs and SiLU's ~1.6 µs at ~4 TB/s
 GAP_BYTES = {"norm": 12 << 20, "silu": 6 << 20}
