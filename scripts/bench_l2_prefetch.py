@@ -54,20 +54,37 @@ def make_layers(dev, dt):
     return layers
 
 
-def run_layers(layers, xs, variant, cycles_per_us):
-    """One token's 36 layers; variant: {"mode": str, "o": bool, "frac": float (of each gap's bytes)}."""
+def run_layers(layers, xs, variant, cycles_per_us, side):
+    """One token's 36 layers. variant: "mode"; "o": bytes of o's weight to prefetch before the
+    attention gap (None: all); "frac": of each other gap's bus bytes to prefetch of the next weight;
+    "side": prefetch on a second stream, joined before the GEMM; "chunk": a bulk request's bytes."""
     mode, frac = variant.get("mode"), variant.get("frac", 0.0)
     sleep = variant.get("sleep", 1.0)
+    main = torch.cuda.current_stream()
+
+    def ask(t, nbytes):
+        size = t.numel() * t.element_size()
+        nbytes = size if nbytes is None else min(size, int(nbytes))
+        if variant.get("side"):
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                l2_prefetch.prefetch(t, nbytes, mode=mode, chunk=variant.get("chunk", l2_prefetch.CHUNK))
+        else:
+            l2_prefetch.prefetch(t, nbytes, mode=mode, chunk=variant.get("chunk", l2_prefetch.CHUNK))
 
     def gap(name, nxt):
-        if mode and nxt is not None:
-            if name == "attn" and variant.get("o"):
-                l2_prefetch.prefetch(nxt, mode=mode)
+        asked = False
+        if mode:
+            if name == "attn" and "o" in variant:
+                ask(nxt, variant["o"])
+                asked = True
             elif name != "attn" and frac:
-                size = nxt.numel() * nxt.element_size()
-                l2_prefetch.prefetch(nxt, min(size, int(frac * GAPS_US[name] * 1e-6 * BW)) // 65536 * 65536, mode=mode)
+                ask(nxt, frac * GAPS_US[name] * 1e-6 * BW)
+                asked = True
         if sleep:
             torch.cuda._sleep(int(GAPS_US[name] * sleep * cycles_per_us))
+        if asked and variant.get("side"):
+            main.wait_stream(side)
 
     for i, w in enumerate(layers):
         F.linear(xs[HIDDEN], w["qkv"])
@@ -81,15 +98,16 @@ def run_layers(layers, xs, variant, cycles_per_us):
 
 
 def time_variant(layers, xs, variant, cycles_per_us, reps=20) -> float:
+    side = torch.cuda.Stream()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run_layers(layers, xs, variant, cycles_per_us)   # compile / workspaces outside the capture
+        run_layers(layers, xs, variant, cycles_per_us, side)   # compile / workspaces outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run_layers(layers, xs, variant, cycles_per_us)
+        run_layers(layers, xs, variant, cycles_per_us, side)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,16 +128,18 @@ def main():
     cycles = sleep_cycles_per_us()
     layers = make_layers(dev, dt)
     xs = {HIDDEN: torch.randn(1, HIDDEN, device=dev, dtype=dt), INTER: torch.randn(1, INTER, device=dev, dtype=dt)}
-    variants = {
+    mb = 1 << 20
+    variants = {   # session 20, call 1: on the same stream every prefetch cost its own transfer time
         "gemms only": {"sleep": 0},
-        "gemms only + o bulk_el": {"sleep": 0, "mode": "bulk_evict_last", "o": True},
         "none": {},
-        "o line": {"mode": "line", "o": True},
-        "o bulk": {"mode": "bulk", "o": True},
-        "o bulk_el": {"mode": "bulk_evict_last", "o": True},
-        "all bulk_el": {"mode": "bulk_evict_last", "o": True, "frac": 1.0},
-        "all bulk_el x2": {"mode": "bulk_evict_last", "o": True, "frac": 2.0},
-        "all line": {"mode": "line", "o": True, "frac": 1.0},
+        "o line 16MB": {"mode": "line", "o": 16 * mb},
+        "o line 16MB side": {"mode": "line", "o": 16 * mb, "side": True},
+        "o line 24MB side": {"mode": "line", "o": 24 * mb, "side": True},
+        "o line all side": {"mode": "line", "o": None, "side": True},
+        "o bulk 4K 16MB side": {"mode": "bulk", "o": 16 * mb, "side": True, "chunk": 4096},
+        "o bulk_el 4K 16MB side": {"mode": "bulk_evict_last", "o": 16 * mb, "side": True, "chunk": 4096},
+        "all line 16MB side": {"mode": "line", "o": 16 * mb, "frac": 1.0, "side": True},
+        "gemms only + o line 16MB side": {"sleep": 0, "mode": "line", "o": 16 * mb, "side": True},
     }
     results = {name: [] for name in variants}
     for _ in range(args.rounds):

@@ -86,7 +86,8 @@ def _sink(device: torch.device) -> torch.Tensor:
     return _sinks[device]
 
 
-def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk") -> None:
+def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk", chunk: int = CHUNK,
+             pdl_ok: bool = True) -> None:
     """Ask L2 for the first `nbytes` (all by default) of t's bytes in memory order. t must be
     contiguous, or the transpose of a contiguous 2-D tensor (models/fuse.py's store_transposed)."""
     if mode not in MODES:
@@ -99,30 +100,53 @@ def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk") -> 
     nbytes = size if nbytes is None else nbytes
     if not 0 <= nbytes <= size:
         raise ValueError(f"nbytes: expected 0..{size} (t's bytes), got {nbytes}")
-    step = LINE if mode == "line" else CHUNK
+    if mode != "line":   # a bulk request's address and size are multiples of 16 bytes
+        if chunk % 16 or chunk <= 0:
+            raise ValueError(f"chunk: expected a positive multiple of 16 bytes, got {chunk}")
+        nbytes -= nbytes % 16
+    step = LINE if mode == "line" else chunk
     if nbytes < step or not available(t.device):
         return
     grid = (triton.cdiv(nbytes, step * PER_PROGRAM),)
     _l2_prefetch_kernel[grid](t.view(-1).view(torch.uint8), nbytes, _sink(t.device), STEP=step,
                               PER_PROGRAM=PER_PROGRAM, MODE=MODES.index(mode), num_warps=4,
-                              **pdl.launch_kwargs(t.device))
+                              **(pdl.launch_kwargs(t.device) if pdl_ok else {"PDL": False}))
 
 
 # Where the model asks (models/qwen3.py), an A/B switch read at import while it is measured:
-# PCG_L2_PREFETCH= (off) | o (o_proj's whole weight before RoPE + attention) | all (also the first
-# GAP_BYTES of gate_up before the norm, of down before SiLU, of qkv before the layer's input norm).
+# PCG_L2_PREFETCH= (off) | o (the first O_BYTES of o_proj's weight before RoPE + attention) | all
+# (also the first GAP_BYTES of gate_up before the norm, of down before SiLU, of qkv before the
+# layer's input norm). The requests go on a side stream, joined before the GEMM (`join`): on the
+# GEMMs' stream a prefetch kernel lasts as long as its transfer (session 20, call 1).
 PLAN = os.environ.get("PCG_L2_PREFETCH", "").replace("0", "")
-PLAN_MODE = os.environ.get("PCG_L2_PREFETCH_MODE", "bulk_evict_last")
+PLAN_MODE = os.environ.get("PCG_L2_PREFETCH_MODE", "line")
+O_BYTES = int(float(os.environ.get("PCG_L2_PREFETCH_O_MB", "16")) * (1 << 20))
 # what the bus moves in the gap: the norm's ~2.8 µs and SiLU's ~1.6 µs at ~4 TB/s
 GAP_BYTES = {"norm": 12 << 20, "silu": 6 << 20}
+_side: dict[torch.device, torch.cuda.Stream] = {}
+_pending: list[torch.cuda.Stream] = []
 
 
 def ahead(weight: torch.Tensor, gap: str) -> None:
     """Prefetch (part of) the weight of the projection after the small kernels of `gap`
     ("attention", "norm" or "silu"), as PLAN says. Eager forwards only: never traced."""
-    if not PLAN or torch.compiler.is_compiling() or not weight.is_cuda:
+    if not PLAN or torch.compiler.is_compiling() or not weight.is_cuda or not available(weight.device):
         return
-    if gap == "attention":
-        prefetch(weight, mode=PLAN_MODE)
-    elif PLAN == "all":
-        prefetch(weight, min(weight.numel() * weight.element_size(), GAP_BYTES[gap]), mode=PLAN_MODE)
+    if gap != "attention" and PLAN != "all":
+        return
+    size = weight.numel() * weight.element_size()
+    nbytes = min(size, O_BYTES if gap == "attention" else GAP_BYTES[gap])
+    main = torch.cuda.current_stream(weight.device)
+    side = _side.setdefault(weight.device, torch.cuda.Stream(weight.device))
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        prefetch(weight, nbytes, mode=PLAN_MODE, pdl_ok=False)
+    _pending.append(side)
+
+
+def join() -> None:
+    """The current stream waits for the prefetches asked since the last join (before a GEMM)."""
+    if not PLAN or torch.compiler.is_compiling():
+        return
+    while _pending:
+        torch.cuda.current_stream().wait_stream(_pending.pop())

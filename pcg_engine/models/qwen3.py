@@ -49,6 +49,7 @@ class Attention(nn.Module):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        l2_prefetch.join()
         return self.attend(positions, *self.project_qkv(h))
 
     def attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -68,6 +69,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         torch.ops.pcg.attention(q, self.kv_cache, out)
         out = out.view(T, self.q_size)
+        l2_prefetch.join()
         return self.o_proj(out)
 
 
@@ -81,6 +83,7 @@ class MLP(nn.Module):
         self.use_kernels = False
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        l2_prefetch.join()
         if hasattr(self, "gate_up_proj"):
             gate_up = self.gate_up_proj(h)
         else:
@@ -92,8 +95,11 @@ class MLP(nn.Module):
         l2_prefetch.ahead(self.down_proj.weight, "silu")
         if self.use_kernels and self.down_proj.use_kernels:
             # The down projection takes the skinny GEMM for few rows: SiLU-and-mul folds into it.
+            l2_prefetch.join()
             return _kernel_ops().silu_mul_linear(gate_up, self.down_proj.weight)
-        return self.down_proj(silu_and_mul(gate_up, self.use_kernels))
+        act = silu_and_mul(gate_up, self.use_kernels)
+        l2_prefetch.join()
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -120,6 +126,7 @@ class DecoderLayer(nn.Module):
         elif h.dim() == 2 and _folds(self.input_layernorm, getattr(attn, "qkv_proj", None)):
             # (h.dim() == 3: split-K partials of the down projection, which the plain norm sums)
             ln = self.input_layernorm
+            l2_prefetch.join()
             qkv, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps, attn.qkv_proj.weight)
             h = attn.attend(positions, *attn.split_qkv(qkv))
         else:
@@ -130,6 +137,7 @@ class DecoderLayer(nn.Module):
         if isinstance(mlp, MLP) and h.dim() == 2 and _folds(self.post_attention_layernorm,
                                                             getattr(mlp, "gate_up_proj", None)):
             ln = self.post_attention_layernorm
+            l2_prefetch.join()
             gate_up, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps,
                                                                   mlp.gate_up_proj.weight)
             return mlp.down(gate_up), residual
@@ -162,6 +170,7 @@ class Qwen3Model(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual)
+        l2_prefetch.join()   # a CUDA graph's capture ends with every side stream joined
         h, _ = self.norm(h, residual)
         return h
 
