@@ -1,20 +1,28 @@
-"""L2 prefetch: start pulling a projection's weight into the GPU's L2 before the GEMM that reads it.
+"""L2 prefetch: ask the GPU's L2 for a tensor's bytes ahead of the kernel that reads them.
 
-Why: a batch-1 decode step of Qwen3-8B reads 16 GB of weights in GEMMs that run near the copy
-ceiling, but between them sit ~15 µs a layer of small latency-bound kernels (norms, RoPE + KV write,
-attention and its merge, SiLU-and-mul) during which the memory bus is idle: ~0.6 ms of a 4.56 ms
-token (docs/PERF.md, session 19's kernel table). A prefetch issued when the small kernels start
-lets DRAM fill L2 (50 MB on an H200) with the next weight meanwhile, so the GEMM reads part of it
-from L2. The kernel only issues the requests: prefetch instructions hold no register and wait for
-nothing, so its programs exit at once and the fill goes on behind the kernels after it.
+Why it was built: a batch-1 decode step of Qwen3-8B reads 16 GB of weights in GEMMs that run near
+the copy ceiling, but between them sit ~15 µs a layer of small latency-bound kernels (norms, RoPE +
+KV write, attention and its merge, SiLU-and-mul) during which the memory bus is idle: ~0.6 ms of a
+4.56 ms token (docs/PERF.md, session 19's kernel table). Prefetching the next weight in those gaps
+should have let its GEMM read part of it from L2 (50 MB on an H200).
+
+What the H200 said (session 20, scripts/bench_l2_prefetch.py and P1 8B full_decode, docs/PERF.md):
+- on the GEMMs' stream a prefetch kernel lasts about as long as its transfer (it stalls issuing
+  until the memory system takes the requests), so it only moves time around: +3.5 to +34 µs a layer;
+- on a side stream joined before the GEMM, prefetching o_proj's weight gained nothing (its split-K
+  GEMM is not bound by DRAM), and the first MBs of gate_up / down / qkv gained ~3 µs a layer in the
+  stand-in; but in the model the fork and join cost more: 4.544 -> 4.699 ms (o) and 4.758 ms (all).
+So the model does not use it. It stays as the bench's tool, for a later attempt that folds the
+requests into an existing kernel's spare programs instead of a kernel or a stream of their own.
 
 Two ways to ask, by `mode`:
 - "line": one `prefetch.global.L2::evict_last` per 128-byte line (many instructions, any size);
-- "bulk": one `cp.async.bulk.prefetch.L2` (Hopper's copy engine, sm_90+) per CHUNK bytes.
+- "bulk" / "bulk_evict_last": one `cp.async.bulk.prefetch.L2` (sm_90+) per `chunk` bytes. With few
+  programs this was the slowest (each SM's copy engine takes its share in turn).
 
 No reference to test against: a prefetch changes no value. What a test can check is that it leaves
-every tensor as it was and runs inside a CUDA graph; the figures are in docs/PERF.md. Off (a no-op)
-on the CPU, under Triton's interpreter (inline PTX) and below sm_90.
+every tensor as it was and runs inside a CUDA graph. Off (a no-op) on the CPU, under Triton's
+interpreter (inline PTX) and below sm_90.
 """
 
 from __future__ import annotations
@@ -111,42 +119,3 @@ def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk", chu
     _l2_prefetch_kernel[grid](t.view(-1).view(torch.uint8), nbytes, _sink(t.device), STEP=step,
                               PER_PROGRAM=PER_PROGRAM, MODE=MODES.index(mode), num_warps=4,
                               **(pdl.launch_kwargs(t.device) if pdl_ok else {"PDL": False}))
-
-
-# Where the model asks (models/qwen3.py), an A/B switch read at import while it is measured:
-# PCG_L2_PREFETCH= (off) | o (the first O_BYTES of o_proj's weight before RoPE + attention) | all
-# (also the first GAP_BYTES of gate_up before the norm, of down before SiLU, of qkv before the
-# layer's input norm). The requests go on a side stream, joined before the GEMM (`join`): on the
-# GEMMs' stream a prefetch kernel lasts as long as its transfer (session 20, call 1).
-PLAN = os.environ.get("PCG_L2_PREFETCH", "").replace("0", "")
-PLAN_MODE = os.environ.get("PCG_L2_PREFETCH_MODE", "line")
-O_BYTES = int(float(os.environ.get("PCG_L2_PREFETCH_O_MB", "16")) * (1 << 20))
-# what the bus moves in the gap: the norm's ~2.8 µs and SiLU's ~1.6 µs at ~4 TB/s
-GAP_BYTES = {"norm": 12 << 20, "silu": 6 << 20}
-_side: dict[torch.device, torch.cuda.Stream] = {}
-_pending: list[torch.cuda.Stream] = []
-
-
-def ahead(weight: torch.Tensor, gap: str) -> None:
-    """Prefetch (part of) the weight of the projection after the small kernels of `gap`
-    ("attention", "norm" or "silu"), as PLAN says. Eager forwards only: never traced."""
-    if not PLAN or torch.compiler.is_compiling() or not weight.is_cuda or not available(weight.device):
-        return
-    if gap != "attention" and PLAN != "all":
-        return
-    size = weight.numel() * weight.element_size()
-    nbytes = min(size, O_BYTES if gap == "attention" else GAP_BYTES[gap])
-    main = torch.cuda.current_stream(weight.device)
-    side = _side.setdefault(weight.device, torch.cuda.Stream(weight.device))
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        prefetch(weight, nbytes, mode=PLAN_MODE, pdl_ok=False)
-    _pending.append(side)
-
-
-def join() -> None:
-    """The current stream waits for the prefetches asked since the last join (before a GEMM)."""
-    if not PLAN or torch.compiler.is_compiling():
-        return
-    while _pending:
-        torch.cuda.current_stream().wait_stream(_pending.pop())

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.rope_kv_write, .attention)
-from pcg_engine.kernels import l2_prefetch
 from pcg_engine.models.layers import Embedding, Linear, Projection, RMSNorm, _kernel_ops, silu_and_mul
 from pcg_engine.models.moe import SparseMoE
 
@@ -49,7 +48,6 @@ class Attention(nn.Module):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        l2_prefetch.join()
         return self.attend(positions, *self.project_qkv(h))
 
     def attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -60,7 +58,6 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        l2_prefetch.ahead(self.o_proj.weight, "attention")
         # Two ops (attention/op.py). The first applies the per-head q/k RMSNorm, RoPE and the KV
         # write in one launch and stays in the compiled piece (and its CUDA graph); only the
         # attention op splits the graph and runs eagerly between pieces.
@@ -69,7 +66,6 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         torch.ops.pcg.attention(q, self.kv_cache, out)
         out = out.view(T, self.q_size)
-        l2_prefetch.join()
         return self.o_proj(out)
 
 
@@ -83,7 +79,6 @@ class MLP(nn.Module):
         self.use_kernels = False
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        l2_prefetch.join()
         if hasattr(self, "gate_up_proj"):
             gate_up = self.gate_up_proj(h)
         else:
@@ -92,14 +87,10 @@ class MLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU-and-mul and the down projection of the fused gate/up output."""
-        l2_prefetch.ahead(self.down_proj.weight, "silu")
         if self.use_kernels and self.down_proj.use_kernels:
             # The down projection takes the skinny GEMM for few rows: SiLU-and-mul folds into it.
-            l2_prefetch.join()
             return _kernel_ops().silu_mul_linear(gate_up, self.down_proj.weight)
-        act = silu_and_mul(gate_up, self.use_kernels)
-        l2_prefetch.join()
-        return self.down_proj(act)
+        return self.down_proj(silu_and_mul(gate_up, self.use_kernels))
 
 
 class DecoderLayer(nn.Module):
@@ -118,26 +109,20 @@ class DecoderLayer(nn.Module):
         # With kernels, a norm followed by a fused projection that takes the skinny GEMM folds into
         # it (torch.ops.pcg.add_rms_norm_linear: one launch for few rows, the two kernels otherwise).
         attn, mlp = self.self_attn, self.mlp
-        if hasattr(attn, "qkv_proj"):
-            l2_prefetch.ahead(attn.qkv_proj.weight, "norm")
         if residual is None:
             residual = h
             h = attn(positions, self.input_layernorm(h))
         elif h.dim() == 2 and _folds(self.input_layernorm, getattr(attn, "qkv_proj", None)):
             # (h.dim() == 3: split-K partials of the down projection, which the plain norm sums)
             ln = self.input_layernorm
-            l2_prefetch.join()
             qkv, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps, attn.qkv_proj.weight)
             h = attn.attend(positions, *attn.split_qkv(qkv))
         else:
             h, residual = self.input_layernorm(h, residual)
             h = attn(positions, h)
-        if hasattr(mlp, "gate_up_proj"):
-            l2_prefetch.ahead(mlp.gate_up_proj.weight, "norm")
         if isinstance(mlp, MLP) and h.dim() == 2 and _folds(self.post_attention_layernorm,
                                                             getattr(mlp, "gate_up_proj", None)):
             ln = self.post_attention_layernorm
-            l2_prefetch.join()
             gate_up, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps,
                                                                   mlp.gate_up_proj.weight)
             return mlp.down(gate_up), residual
@@ -170,7 +155,6 @@ class Qwen3Model(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual)
-        l2_prefetch.join()   # a CUDA graph's capture ends with every side stream joined
         h, _ = self.norm(h, residual)
         return h
 
