@@ -75,6 +75,10 @@ class EngineLoop(threading.Thread):
     def stopped(self) -> bool:
         return self._stop_requested.is_set()
 
+    def wait_stop(self, timeout: float) -> bool:
+        """Sleep up to `timeout` seconds, or until stop() is called; True if it was."""
+        return self._stop_requested.wait(timeout)
+
     @property
     def in_flight(self) -> int:
         return self.submitted - self.completed - self.failed
@@ -170,8 +174,10 @@ def run_client(loop: EngineLoop, requests: list[tuple[list[int], object]], offse
     try:
         for i, ((prompt_ids, params), offset) in enumerate(zip(requests, offsets)):
             delay = start + float(offset) - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+            # Woken by a stop: asleep until the next submission (seconds apart at low rates), the
+            # client held the run open past its --timeout.
+            if delay > 0 and loop.wait_stop(delay):
+                break
             if gate is not None:
                 gate.acquire()
             if loop.error is not None or loop.stopped:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from pcg_engine.bench import common, cpu_probe
-from pcg_engine.bench.engine_thread import EngineLoop, run_client
+from pcg_engine.bench.engine_thread import EngineLoop, RequestRecord, run_client
 from pcg_engine.bench.load_metrics import parse_slos, summarize, table_rows
 from pcg_engine.bench.load_test_requests import build_dataset, prepare, read_dataset, resolve_num_prompts
 
@@ -70,6 +70,11 @@ def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=N
     if loop.error is not None:
         raise RuntimeError(f"the engine loop failed in mode {label}") from loop.error
     records = [loop.records[f"{label}-{i}"] for i in range(loop.submitted)]
+    # Requests the client never sent (the time limit passed first) fail too: left out, a run cut
+    # short by --timeout reported only the requests it sent, all completed, and exited 0.
+    records += [RequestRecord(f"{label}-{i}", len(ids), p.max_tokens, finished=True, finish_reason="error",
+                              error="never sent: the run stopped first")
+                for i, (ids, p) in enumerate(requests[loop.submitted:], loop.submitted)]
     end = max([loop.last_token_time] + [r.token_times[-1] for r in records if r.token_times])
     return summarize(records, started["t"], end, slos)
 

@@ -416,6 +416,23 @@ def test_load_test_time_limit_fails_the_rest_and_leaves_the_engine_idle(tmp_path
     assert rc == 1 and data["failed"] >= 1 and data["completed"] + data["failed"] == 4
 
 
+def test_load_test_time_limit_between_slow_arrivals(tmp_path):
+    """Found by probing: at a low rate the time limit passed while the client slept until its next
+    submission (~10 s here); the run waited for it, then reported only the request it had sent,
+    completed, with exit 0. Now the client wakes at the stop and the unsent requests fail."""
+    out = tmp_path / "load.json"
+    t0 = time.monotonic()
+    rc = load_test.main(["--device", "cpu", "--modes", "eager", "--num-prompts", "3", "--input-len", "4",
+                         "--output-len", "2", "--request-rate", "0.1", "--timeout", "0.5", "--warmup", "0",
+                         "--no-progress", "--json", str(out)])
+    elapsed = time.monotonic() - t0
+    data = read(out)
+    assert rc == 1 and data["completed"] == 1 and data["failed"] == 2
+    assert [r["id"] for r in data["requests"]] == ["eager-0", "eager-1", "eager-2"]
+    assert data["requests"][2]["error"] == "never sent: the run stopped first"
+    assert data["slo_attainment"] is None and elapsed < 8
+
+
 def test_env_record_commit_falls_back_and_can_be_given(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "REPO_ROOT", tmp_path)          # a copy without .git
     monkeypatch.delenv("PCG_COMMIT", raising=False)
