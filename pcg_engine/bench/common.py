@@ -115,13 +115,28 @@ def max_model_len_of(args: argparse.Namespace, model: str) -> int:
     return EngineConfig(**engine_kwargs(args)).resolved_max_model_len(read_config(model).max_position_embeddings)
 
 
+def request_token_limit(args: argparse.Namespace, model: str) -> tuple[int, str, str]:
+    """The most tokens (prompt + output) one request can hold in an engine built from these flags,
+    known before building it: (tokens, what sets them, the flag that raises them). max_model_len,
+    or with --num-kv-blocks the KV cache when it holds fewer (block 0 is the scratch block): the
+    engine refuses a request that could never fit in it, each one failing alone."""
+    from pcg_engine.config import EngineConfig
+    limit = max_model_len_of(args, model)
+    blocks = getattr(args, "num_kv_blocks", None)
+    if blocks is not None:
+        held = (blocks - 1) * EngineConfig(**engine_kwargs(args)).block_size
+        if held < limit:
+            return held, f"the {held} tokens of the KV cache (--num-kv-blocks {blocks})", "--num-kv-blocks"
+    return limit, f"max_model_len {limit}", "--max-model-len"
+
+
 def refuse_too_long(args: argparse.Namespace, model: str, prompt_len: int, output_len: int, flags: str) -> None:
     """Stop before any engine is built when the longest request the flags ask for cannot fit: the
     engine would refuse each request under prompt_token_ids / max_tokens, naming no flag."""
-    limit = max_model_len_of(args, model)
+    limit, what, flag = request_token_limit(args, model)
     if prompt_len + output_len > limit:
         raise SystemExit(f"{flags}: the longest request is {prompt_len} prompt + {output_len} output tokens, "
-                         f"more than max_model_len {limit}; lower them or raise --max-model-len")
+                         f"more than {what}; lower them or raise {flag}")
 
 
 def parse_modes(spec: str) -> list[tuple[str, dict]]:

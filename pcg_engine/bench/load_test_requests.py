@@ -5,8 +5,8 @@ Building an engine takes a minute on a GPU, and a request the engine refuses onl
 results JSON, so everything that decides whether the run's requests can be served is settled
 first: the dataset's lines (JSON, fields), its size against --num-prompts / --sweep-num-prompts
 (it is not repeated), each token against the vocabulary and each request's length against
-max_model_len, from config.json and the tokenizer alone. Random prompts are checked by the longest
-request their flags allow.
+max_model_len (or the KV cache of --num-kv-blocks, when smaller), from config.json and the
+tokenizer alone. Random prompts are checked by the longest request their flags allow.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def prepare(args, model: str, entries) -> list[tuple[list[int], int]] | None:
     from pcg_engine.models.model_config import read_config
 
     config = read_config(model)
-    limit = common.max_model_len_of(args, model)
+    limit, what, flag = common.request_token_limit(args, model)
     if not entries:
         _, hi = common.length_bounds(args.input_len, args.range_ratio)
         _, ohi = common.length_bounds(args.output_len, args.range_ratio)
@@ -81,7 +81,7 @@ def prepare(args, model: str, entries) -> list[tuple[list[int], int]] | None:
             raise SystemExit(f"the longest request the flags allow, {prompt} prompt + {ohi} output tokens "
                              f"(--shared-prefix-len {args.shared_prefix_len}, --input-len {args.input_len}, "
                              f"--output-len {args.output_len}, --range-ratio {args.range_ratio:g}), exceeds "
-                             f"max_model_len {limit}; lower them or raise --max-model-len")
+                             f"{what}; lower them or raise {flag}")
         return None
     used = max(args.num_prompts, args.warmup, args.sweep_num_prompts if args.sweep_rates else 0)
     entries = entries[:used]
@@ -103,8 +103,8 @@ def prepare(args, model: str, entries) -> list[tuple[list[int], int]] | None:
         out = args.output_len if out is None else out
         if len(ids) + out > limit:
             raise SystemExit(f"--dataset: line {number}: a request of {len(ids)} prompt + {out} output tokens "
-                             f"exceeds max_model_len {limit}; shorten it, lower its output_len (or --output-len) "
-                             "or raise --max-model-len")
+                             f"exceeds {what}; shorten it, lower its output_len (or --output-len) "
+                             f"or raise {flag}")
         items.append((list(ids), out))
     return items
 

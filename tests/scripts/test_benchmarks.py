@@ -208,11 +208,20 @@ def tiny_model(tmp_path_factory):
      "--output-len 2, --range-ratio 0.5), exceeds max_model_len 62"),
     (None, ["--input-len", "8", "--shared-prefix-len", "60", "--max-model-len", "64"],
      "the longest request the flags allow, 68 prompt + 2 output tokens (--shared-prefix-len 60"),
-], ids=["token-outside-vocab", "ids-too-long", "text-too-long", "random-too-long", "shared-prefix-too-long"])
+    (None, ["--input-len", "40", "--num-kv-blocks", "3"],
+     "40 prompt + 2 output tokens (--shared-prefix-len 0, --input-len 40, --output-len 2, --range-ratio 0), exceeds "
+     "the 32 tokens of the KV cache (--num-kv-blocks 3); lower them or raise --num-kv-blocks"),
+    ('{"prompt": [5, 6, 7]}\n{"prompt": [5, 6, 7], "output_len": 14}\n', ["--num-kv-blocks", "2"],
+     "--dataset: line 2: a request of 3 prompt + 14 output tokens exceeds the 16 tokens of the KV cache "
+     "(--num-kv-blocks 2); shorten it, lower its output_len (or --output-len) or raise --num-kv-blocks"),
+], ids=["token-outside-vocab", "ids-too-long", "text-too-long", "random-too-long", "shared-prefix-too-long",
+        "random-beyond-kv-cache", "ids-beyond-kv-cache"])
 def test_load_test_requests_that_cannot_run_are_refused_before_building_an_engine(
         tiny_model, tmp_path, monkeypatch, dataset, flags, expected):
     """Found by probing: a dataset token outside the vocabulary failed its request, the reason only in
-    the JSON; a request longer than max_model_len was found after the engine was built."""
+    the JSON; a request longer than max_model_len was found after the engine was built; one beyond
+    the KV cache of --num-kv-blocks failed in the engine, every request of the run with it, the
+    reason only in the JSON (the table all zeros, exit 1)."""
     if dataset is not None:
         (tmp_path / "d.jsonl").write_text(dataset)
         flags = ["--dataset", str(tmp_path / "d.jsonl"), *flags]
@@ -622,6 +631,9 @@ def test_block_manager_bench_runs_both_trees(capsys):
     (throughput, ["--input-len", "30", "--output-len", "40"], "--input-len / --output-len: the longest request"),
     (throughput, ["--input-max", "50", "--input-min", "1", "--output-len", "20", "--range-ratio", "0.5"],
      "--input-max / --output-len / --range-ratio: the longest request is 50 prompt + 30 output tokens"),
+    (latency, ["--input-len", "30", "--output-len", "4", "--num-kv-blocks", "3"], "--input-len / --output-len: the "
+     "longest request is 30 prompt + 4 output tokens, more than the 32 tokens of the KV cache (--num-kv-blocks 3); "
+     "lower them or raise --num-kv-blocks"),
 ])
 def test_benchmarks_refuse_requests_longer_than_max_model_len_before_building_an_engine(module, flags, named,
                                                                                        monkeypatch):
@@ -630,4 +642,4 @@ def test_benchmarks_refuse_requests_longer_than_max_model_len_before_building_an
     monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
     with pytest.raises(SystemExit) as e:
         module.main(["--model", "tiny-qwen3", "--device", "cpu", "--max-model-len", "64", *flags])
-    assert named in str(e.value) and "raise --max-model-len" in str(e.value)
+    assert named in str(e.value) and "raise --" in str(e.value)
