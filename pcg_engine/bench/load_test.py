@@ -14,8 +14,10 @@ their checks before any engine is built, are load_test_requests.py's.
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -77,6 +79,13 @@ def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=N
                 for i, (ids, p) in enumerate(requests[loop.submitted:], loop.submitted)]
     end = max([loop.last_token_time] + [r.token_times[-1] for r in records if r.token_times])
     return summarize(records, started["t"], end, slos)
+
+
+def failures(result: dict) -> str:
+    """How many of a run's requests failed, and why (the commonest reasons first)."""
+    why = Counter(row["error"] for row in result["requests"] if not row["ok"])
+    return (f"{result['failed']} of {len(result['requests'])} requests failed: "
+            + "; ".join(f"{n} x {reason}" for reason, n in why.most_common()))
 
 
 def passes(result: dict, attainment: float) -> bool:
@@ -225,6 +234,8 @@ def main(argv=None) -> int:
                        f"burstiness {args.burstiness:g}", headers, rows)
     for name, r in results.items():
         print(f"{name}: fixed host work (bench/cpu_probe.py): {cpu_probe.summary(**r['cpu_probe'])}")
+        if r["failed"]:     # (the reasons were in the JSON alone: a run exited 1 without saying why)
+            print(f"{name}: {failures(r)}", file=sys.stderr)
     if sweeps:
         common.print_table(f"rate sweep: highest rate with >= {args.sweep_attainment:.0%} of requests within "
                            f"{slos}", ["mode", "max rate (req/s)", "trials"],

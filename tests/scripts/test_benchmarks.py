@@ -425,7 +425,7 @@ def test_load_test_time_limit_fails_the_rest_and_leaves_the_engine_idle(tmp_path
     assert rc == 1 and data["failed"] >= 1 and data["completed"] + data["failed"] == 4
 
 
-def test_load_test_time_limit_between_slow_arrivals(tmp_path):
+def test_load_test_time_limit_between_slow_arrivals(tmp_path, capsys):
     """Found by probing: at a low rate the time limit passed while the client slept until its next
     submission (~10 s here); the run waited for it, then reported only the request it had sent,
     completed, with exit 0. Now the client wakes at the stop and the unsent requests fail."""
@@ -440,6 +440,8 @@ def test_load_test_time_limit_between_slow_arrivals(tmp_path):
     assert [r["id"] for r in data["requests"]] == ["eager-0", "eager-1", "eager-2"]
     assert data["requests"][2]["error"] == "never sent: the run stopped first"
     assert data["slo_attainment"] is None and elapsed < 8
+    # why the run exited 1, on the terminal too (it was in the JSON alone)
+    assert "eager: 2 of 3 requests failed: 2 x never sent: the run stopped first" in capsys.readouterr().err
 
 
 def test_env_record_commit_falls_back_and_can_be_given(tmp_path, monkeypatch):
