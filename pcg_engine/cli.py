@@ -89,6 +89,23 @@ def _name_the_flag(error: Exception, has_flag) -> str:
     return text
 
 
+def _check_prompts(llm, prompts: list, params) -> None:
+    """--stream runs the prompts one after another: refuse a bad one before any runs, as
+    LLM.generate does for the whole batch. Each request is added (the engine's own checks) and
+    dropped at once, before any step: it holds no KV block and leaves no output behind."""
+    from pcg_engine.errors import InvalidRequestError
+    if len(prompts) < 2:
+        return
+    for i, prompt in enumerate(prompts):
+        try:
+            rid = llm.engine.add_request(prompt, params)
+        except InvalidRequestError as e:
+            error = InvalidRequestError(e.field, f"{e.message} (prompt {i} of {len(prompts)}; none of them was run)")
+            error.prompt_index = i
+            raise error from None
+        llm._abandon([rid])
+
+
 def _dump_graph(llm, directory: str, err) -> None:
     """--dump-graph: the compiled forward's graphs (compile/backend.py's dump_graph), or an error in
     a mode that compiles nothing."""
@@ -149,6 +166,9 @@ def cmd_generate(args) -> int:
                                                          add_generation_prompt=True) for p in prompts]
         t1 = time.perf_counter()
         if args.stream:
+            # Every prompt checked before any runs, as generate() does: a bad prompt after the
+            # first ran the ones before it (under --json their outputs were never printed).
+            _check_prompts(llm, prompts, params)
             outs = []
             for i, prompt in enumerate(prompts):
                 final = None

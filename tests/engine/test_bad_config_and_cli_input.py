@@ -262,6 +262,35 @@ def test_refused_prompt_names_its_file_line(tiny_paths, tmp_path, capsys, lines,
     assert err[-1].startswith(f"error: {expected}"), err[-1]
 
 
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_stream_refuses_a_bad_prompt_before_running_any(tiny_paths, capsys, monkeypatch, extra):
+    """Found by probing: --stream ran the prompts before a bad one (under --json their outputs were
+    never printed), then exited 2; generate() refuses the batch before running any of it."""
+    from pcg_engine import cli
+    from pcg_engine.llm import LLM
+    engines = []
+    real_init = LLM.__init__
+
+    def keep(self, *a, **k):
+        real_init(self, *a, **k)
+        engines.append(self.engine)
+    monkeypatch.setattr(LLM, "__init__", keep)
+    assert cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--max-model-len", "64",
+                     "--max-tokens", "2", "--stream", "--prompt", "hi", "--prompt", "there", "--prompt", "",
+                     *extra]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip().splitlines()[-1] == (
+        "error: --prompt #3: prompt: is empty; give at least one character or token (prompt 2 of 3; none of them "
+        "was run)")
+    engine, = engines
+    assert engine.stats.steps == 0 and not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    # good prompts stream as before
+    assert cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--max-model-len", "64",
+                     "--max-tokens", "2", "--stream", "--prompt", "hi", "--prompt", "there", *extra]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2 and engines[1].stats.steps > 0
+
+
 def test_chat_without_a_chat_template_names_the_flag(tiny_paths, tmp_path, capsys):
     """Before: transformers' 'Cannot use chat template functions because tokenizer.chat_template is
     not set...', naming neither --chat nor the checkpoint."""
