@@ -76,8 +76,16 @@ class EngineLoop(threading.Thread):
         return self._stop_requested.is_set()
 
     def wait_stop(self, timeout: float) -> bool:
-        """Sleep up to `timeout` seconds, or until stop() is called; True if it was."""
-        return self._stop_requested.wait(timeout)
+        """Sleep up to `timeout` seconds (inf: until stopped), or until stop() is called; True if it
+        was. In slices: one wait of the gap a tiny --request-rate draws (1e300 s) raised
+        OverflowError in the client thread, and the run died on a KeyError traceback."""
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if not left > 0:
+                return self._stop_requested.is_set()
+            if self._stop_requested.wait(min(left, 3600.0)):
+                return True
 
     @property
     def in_flight(self) -> int:

@@ -51,7 +51,11 @@ def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=N
     started: dict = {}
 
     def client_main():
-        started["t"] = run_client(loop, requests, offsets, args.max_concurrency, id_prefix=label)
+        try:
+            started["t"] = run_client(loop, requests, offsets, args.max_concurrency, id_prefix=label)
+        except BaseException as e:   # surfaced below, not as a KeyError on the missing start time
+            started["error"] = e
+            loop.stop()
     client = threading.Thread(target=client_main, name="pcg-load-client", daemon=True)
     loop.start()
     client.start()
@@ -71,6 +75,8 @@ def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=N
         progress.update(task, completed=loop.completed + loop.failed, info=f"failed {loop.failed}")
     if loop.error is not None:
         raise RuntimeError(f"the engine loop failed in mode {label}") from loop.error
+    if "error" in started:
+        raise RuntimeError(f"the load test's client failed in mode {label}") from started["error"]
     records = [loop.records[f"{label}-{i}"] for i in range(loop.submitted)]
     # Requests the client never sent (the time limit passed first) fail too: left out, a run cut
     # short by --timeout reported only the requests it sent, all completed, and exited 0.

@@ -444,6 +444,29 @@ def test_load_test_time_limit_between_slow_arrivals(tmp_path, capsys):
     assert "eager: 2 of 3 requests failed: 2 x never sent: the run stopped first" in capsys.readouterr().err
 
 
+def test_load_test_time_limit_with_a_tiny_rate(tmp_path):
+    """Found by probing: --request-rate 1e-300 (allowed: > 0) draws gaps of ~1e300 s; sleeping one
+    raised OverflowError in the client thread and the run ended in a KeyError traceback. Now the
+    client waits in slices, so --timeout stops it like any other run."""
+    out = tmp_path / "load.json"
+    rc = load_test.main(["--device", "cpu", "--modes", "eager", "--num-prompts", "2", "--input-len", "4",
+                         "--output-len", "2", "--request-rate", "1e-300", "--timeout", "0.3", "--warmup", "0",
+                         "--no-progress", "--json", str(out)])
+    data = read(out)
+    assert rc == 1 and data["completed"] == 1 and data["failed"] == 1
+
+
+def test_engine_loop_wait_stop_wakes_at_the_stop():
+    import threading
+    from pcg_engine.bench.engine_thread import EngineLoop
+    loop = EngineLoop(engine=None)
+    assert loop.wait_stop(0.01) is False and loop.wait_stop(float("nan")) is False
+    threading.Timer(0.1, loop.stop).start()
+    t0 = time.monotonic()
+    assert loop.wait_stop(float("inf")) is True and time.monotonic() - t0 < 5
+    assert loop.wait_stop(1e300) is True
+
+
 def test_env_record_commit_falls_back_and_can_be_given(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "REPO_ROOT", tmp_path)          # a copy without .git
     monkeypatch.delenv("PCG_COMMIT", raising=False)
