@@ -147,6 +147,9 @@ def parse_modes(spec: str) -> list[tuple[str, dict]]:
     from pcg_engine.config import MODES
     out = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
+        if any(name == seen for seen, _ in out):
+            # results are keyed by name: the second run replaced the first, which was run for nothing
+            raise SystemExit(f"--modes: {name!r} is given twice; each mode runs once")
         mode, *flags = name.split("+")
         if mode not in MODES + ("auto",):
             raise SystemExit(f"--modes: {mode!r} is not a mode; allowed: {', '.join(MODES)}, auto")

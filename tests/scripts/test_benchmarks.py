@@ -83,7 +83,7 @@ def test_modes_and_models_are_validated(tmp_path):
     assert common.parse_modes("eager,piecewise+async+unfused") == [
         ("eager", {"mode": "eager"}),
         ("piecewise+async+unfused", {"mode": "piecewise", "async_scheduling": True, "fuse": False, "kernels": False})]
-    for bad in ("warp", "eager+fast", ""):
+    for bad in ("warp", "eager+fast", "", "eager, eager"):    # (a repeat replaced the first run's result)
         with pytest.raises(SystemExit):
             common.parse_modes(bad)
     assert common.resolve_model(str(tmp_path)) == str(tmp_path)
