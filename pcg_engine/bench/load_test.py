@@ -198,6 +198,13 @@ def check_args(args) -> None:
     for flag, value, ok, allowed in checks:
         if not ok:   # (a NaN fails every comparison, so it lands here too)
             raise SystemExit(f"pcg bench load-test: {flag} must be {allowed}, got {value}")
+    # Flags of the random prompts, dropped without a word with --dataset (its lines give each
+    # request's prompt and output length; --output-len is the default for a line without one).
+    if args.dataset is not None:
+        for flag, value in (("--shared-prefix-len", args.shared_prefix_len), ("--range-ratio", args.range_ratio)):
+            if value:
+                raise SystemExit(f"pcg bench load-test: {flag} shapes the random prompts; with --dataset the "
+                                 f"file gives the prompts and output lengths: leave out {flag} (got {value:g})")
 
 
 def main(argv=None) -> int:

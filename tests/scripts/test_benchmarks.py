@@ -602,6 +602,10 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
     (["--sweep-start", "0"], "--sweep-start must be a number > 0"),
     (["--sweep-start", "nan"], "--sweep-start must be a number > 0"),
     (["--sweep-start", "-1"], "--sweep-start must be a number > 0"),
+    # random-prompt flags with --dataset were dropped without a word
+    (["--dataset", "d.jsonl", "--shared-prefix-len", "5"], "--shared-prefix-len shapes the random prompts; with "
+     "--dataset the file gives the prompts and output lengths: leave out --shared-prefix-len \\(got 5\\)"),
+    (["--dataset", "d.jsonl", "--range-ratio", "0.5"], "leave out --range-ratio \\(got 0.5\\)"),
 ])
 def test_load_test_refuses_before_building_an_engine(flags, expected):
     """Found by probing: --seed -1 failed inside numpy after the engine was built, --sweep-start 0
