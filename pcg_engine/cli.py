@@ -56,7 +56,13 @@ def _read_prompts(args, sources: list | None = None) -> list[str]:
                     raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field: {line[:80]}")
                 # {"prompt": ..., "max_tokens": 5} ran with --max-tokens' value, the line's dropped
                 # without a word: every prompt takes the flags' sampling parameters.
-                own = sampling_field(obj)
+                # A load-test dataset's line ({"prompt": ..., "output_len": 5}) ran with --max-tokens'
+                # value too, its output length dropped the same way.
+                own = sampling_field(obj) or ("output_len" if "output_len" in obj else None)
+                if own == "output_len":
+                    raise SystemExit(f"--prompts-file: line {number}: 'output_len' (a load-test dataset's output "
+                                     "length) is not read from a prompt line; every prompt takes the flags' "
+                                     "sampling parameters (give --max-tokens for all)")
                 if own is not None:
                     flag = f"--{own.replace('_', '-')}"
                     raise SystemExit(f"--prompts-file: line {number}: {own!r} is not read from a prompt line; every "

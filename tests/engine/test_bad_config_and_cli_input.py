@@ -173,6 +173,11 @@ def test_prompts_file_line_with_its_own_sampling_parameter_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"line 1: 'logprobs' is not read from a prompt line; every prompt takes "
                                          r"the flags' sampling parameters$"):
         _read_prompts(args)
+    # a load-test dataset's line: its output length was dropped the same way
+    path.write_text('{"prompt": "b", "output_len": 2}\n')
+    with pytest.raises(SystemExit, match=r"line 1: 'output_len' \(a load-test dataset's output length\) is not read "
+                                         r"from a prompt line; .*\(give --max-tokens for all\)$"):
+        _read_prompts(args)
     path.write_text('{"prompt": "a", "id": 7}\n')
     assert _read_prompts(args) == ["a"]
 
