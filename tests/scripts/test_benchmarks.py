@@ -409,6 +409,17 @@ def test_wrapper_scripts(name, monkeypatch, capsys):
     assert exit_info.value.code == 0 and "--model" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["load_test", "bench_throughput", "bench_latency"])
+def test_wrapper_scripts_refuse_a_setting_in_one_line(name, monkeypatch, capsys):
+    """Found by probing: `python scripts/load_test.py --max-num-seqs 0` ("same as pcg bench
+    load-test") ended in a ConfigError traceback; `pcg bench` gives one line and exit 2."""
+    monkeypatch.setattr(sys, "argv", [name, "--device", "cpu", "--max-num-seqs", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "scripts" / f"{name}.py"), run_name="__main__")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --max-num-seqs (max_num_seqs): got 0; allowed: 1..4096"
+
+
 def test_cli_dispatches_bench(capsys):
     from pcg_engine.cli import main
     with pytest.raises(SystemExit) as exit_info:
