@@ -81,6 +81,9 @@ def _read_prompts(args, sources: list | None = None) -> list[str]:
             if sources is not None:
                 sources.append(f"--prompts-file: line {number}")
     if not prompts:
+        if args.prompts_file:   # (it said "give --prompt or --prompts-file" to one who had given the file)
+            raise SystemExit(f"--prompts-file: {args.prompts_file} holds no prompt (every line is blank); "
+                             "give one prompt or JSON object per line")
         raise SystemExit("give --prompt (repeatable) or --prompts-file")
     return prompts
 

@@ -2,6 +2,7 @@
 before anything is loaded: EngineConfig's device, and `pcg generate --prompts-file`."""
 
 import argparse
+import re
 
 import pytest
 
@@ -157,6 +158,19 @@ def test_prompts_file_bad_content_is_named(tmp_path, content, expected):
     with pytest.raises(SystemExit) as e:
         _read_prompts(_args(path))
     assert expected in str(e.value) and (expected == "give --prompt" or "--prompts-file" in str(e.value))
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n\n", "\ufeff\n"])
+def test_prompts_file_without_a_prompt_is_named(tmp_path, content):
+    """Found by probing: an empty or blank file said "give --prompt (repeatable) or --prompts-file"
+    to a command that had given --prompts-file."""
+    path = tmp_path / "p.txt"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(SystemExit, match=f"^--prompts-file: {re.escape(str(path))} holds no prompt \\(every line "
+                                         "is blank\\)"):
+        _read_prompts(argparse.Namespace(prompt=[], prompts_file=str(path)))
+    with pytest.raises(SystemExit, match=r"^give --prompt \(repeatable\) or --prompts-file$"):
+        _read_prompts(argparse.Namespace(prompt=[], prompts_file=None))
 
 
 def test_prompts_file_line_with_its_own_sampling_parameter_is_refused(tmp_path):
