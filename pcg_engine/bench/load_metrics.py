@@ -37,8 +37,12 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
 def request_row(rec) -> dict:
     """One request's latencies in ms (None where it has no tokens)."""
     t = rec.token_times
+    # A request that finished without a token has no TTFT: summarize counts it failed, and its row
+    # says so (it read "ok": true, "error": null among the failed).
+    empty = rec.ok and not t
     row = {"id": rec.request_id, "prompt_len": rec.prompt_len, "output_len_asked": rec.output_len,
-           "output_len": rec.num_output_tokens, "ok": rec.ok, "error": rec.error,
+           "output_len": rec.num_output_tokens, "ok": rec.ok and not empty,
+           "error": "finished without an output token" if empty else rec.error,
            "ttft_ms": None, "tpot_ms": None, "e2el_ms": None, "engine_ttft_ms": None, "cached_tokens": None}
     m = rec.engine_metrics      # the engine's own stamps, same clock: a cross-check of the client's
     if m is not None:

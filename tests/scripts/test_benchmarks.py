@@ -72,6 +72,26 @@ def test_metrics_and_goodput_from_token_times():
         parse_slos(["latency:5"])
 
 
+def test_metrics_count_a_request_without_tokens_and_an_aborted_one_as_failed():
+    """A finished request with no token (no TTFT) and an aborted one with tokens are failed: no
+    latency, token or goodput figure counts them, and each row says why (the empty one's row read
+    "ok": true, "error": null while the run counted it failed)."""
+    def rec(i, times, error=None):
+        return RequestRecord(f"r{i}", 3, 4, submit_time=0.0, token_times=times, num_output_tokens=len(times),
+                             finished=True, finish_reason="abort" if error else "length", error=error)
+    records = [rec(0, [0.2, 0.3, 0.5]), rec(1, []), rec(2, [0.1, 0.15], error="abort")]
+    res = summarize(records, 0.0, 1.0, parse_slos(["ttft:1000"]))
+    assert res["completed"] == 1 and res["failed"] == 2 and res["total_output_tokens"] == 3
+    assert res["total_input_tokens"] == 3 and res["request_throughput"] == pytest.approx(1.0)
+    assert res["ttft_ms"]["p99"] == pytest.approx(200) and res["itl_ms"]["mean"] == pytest.approx(150)
+    assert res["tpot_ms"]["median"] == pytest.approx(150) and res["e2el_ms"]["mean"] == pytest.approx(500)
+    assert res["goodput"] == pytest.approx(1.0) and res["slo_attainment"] == pytest.approx(1 / 3)
+    rows = res["requests"]
+    assert [r["ok"] for r in rows] == [True, False, False]
+    assert [r["error"] for r in rows] == [None, "finished without an output token", "abort"]
+    assert sum(not r["ok"] for r in rows) == res["failed"]
+
+
 def test_sweep_brackets_then_bisects():
     best, trials = load_test.sweep_rates(lambda r: r, 4.0, lambda r: r <= 13, bisect_steps=3)
     assert best == 13.0 and [r for r, _ in trials] == [4, 8, 16, 12, 14, 13]
