@@ -27,13 +27,26 @@ from pcg_engine.bench.load_metrics import parse_slos, summarize, table_rows
 from pcg_engine.bench.load_test_requests import build_dataset, prepare, read_dataset, resolve_num_prompts
 
 
+def gap_scale(rate: float, burstiness: float) -> float | None:
+    """The gamma gaps' scale, 1 / (rate * burstiness), or None where it is not a finite number > 0:
+    a product that underflows to 0 (ZeroDivisionError), or an inverse that overflows (gaps of NaN,
+    which the client took for 'now': a Poisson run at rate 1 with --burstiness 1e-320 sent
+    everything at once; or inf, a client that never sends again)."""
+    product = rate * burstiness
+    if not product > 0:
+        return None
+    scale = 1.0 / product
+    return scale if 0 < scale < float("inf") else None
+
+
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """Submission times (s from the start) of n requests; the first at 0, all at 0 for rate inf."""
     if rate == float("inf"):
         return np.zeros(n)
-    if rate <= 0 or burstiness <= 0:
-        raise SystemExit(f"--request-rate ({rate}) and --burstiness ({burstiness}) must be > 0")
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    if not (rate > 0 and burstiness > 0) or gap_scale(rate, burstiness) is None:
+        raise SystemExit(f"--request-rate ({rate}) and --burstiness ({burstiness}) must be > 0, with a finite "
+                         "gap scale 1 / (rate * burstiness)")
+    gaps = rng.gamma(shape=burstiness, scale=gap_scale(rate, burstiness), size=n)
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if n else np.zeros(0)
 
 
@@ -198,6 +211,10 @@ def check_args(args) -> None:
     for flag, value, ok, allowed in checks:
         if not ok:   # (a NaN fails every comparison, so it lands here too)
             raise SystemExit(f"pcg bench load-test: {flag} must be {allowed}, got {value}")
+    if args.request_rate != float("inf") and gap_scale(args.request_rate, args.burstiness) is None:
+        raise SystemExit(f"pcg bench load-test: --request-rate {args.request_rate:g} with --burstiness "
+                         f"{args.burstiness:g} gives no finite gap between requests (the gaps' scale is "
+                         "1 / (rate * burstiness)); raise them")
     # Flags of the random prompts, dropped without a word with --dataset (its lines give each
     # request's prompt and output length; --output-len is the default for a line without one).
     if args.dataset is not None:

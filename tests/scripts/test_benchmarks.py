@@ -41,6 +41,15 @@ def test_arrivals_have_the_rate_and_burstiness_asked_for(burstiness):
     assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
 
 
+@pytest.mark.parametrize("rate, burstiness", [(1.0, 1e-320), (1e-320, 1.0), (1e-200, 1e-200)])
+def test_arrivals_refuse_gaps_without_a_finite_scale(rate, burstiness):
+    """Found by probing: burstiness 1e-320 drew NaN gaps (the client sent every request at once),
+    rate 1e-320 inf ones, and 1e-200 x 1e-200 a ZeroDivisionError."""
+    with pytest.raises(SystemExit, match="finite gap scale"):
+        load_test.arrival_offsets(4, rate, burstiness, np.random.default_rng(0))
+    assert np.isfinite(load_test.arrival_offsets(4, 1e300, 1e-300, np.random.default_rng(0))).all()
+
+
 def test_infinite_rate_submits_everything_at_once():
     assert not load_test.arrival_offsets(5, float("inf"), 1.0, np.random.default_rng(0)).any()
 
@@ -633,6 +642,11 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
     (["--sweep-start", "0"], "--sweep-start must be a number > 0"),
     (["--sweep-start", "nan"], "--sweep-start must be a number > 0"),
     (["--sweep-start", "-1"], "--sweep-start must be a number > 0"),
+    # gaps of NaN (sent at once), of inf, or a ZeroDivisionError traceback
+    (["--burstiness", "1e-320", "--request-rate", "1"], "--request-rate 1 with --burstiness 9.99989e-321 gives no "
+     "finite gap between requests"),
+    (["--request-rate", "1e-320"], "--request-rate 9.99989e-321 with --burstiness 1 gives no finite gap"),
+    (["--request-rate", "1e-200", "--burstiness", "1e-200"], "gives no finite gap between requests"),
     # random-prompt flags with --dataset were dropped without a word
     (["--dataset", "d.jsonl", "--shared-prefix-len", "5"], "--shared-prefix-len shapes the random prompts; with "
      "--dataset the file gives the prompts and output lengths: leave out --shared-prefix-len \\(got 5\\)"),
