@@ -111,7 +111,10 @@ def passes(result: dict, attainment: float) -> bool:
     return result["failed"] == 0 and (result["slo_attainment"] or 0.0) >= attainment
 
 
-def sweep_rates(run_at, start: float, ok, max_doublings: int = 6, bisect_steps: int = 3):
+SWEEP_MAX_DOUBLINGS = 6
+
+
+def sweep_rates(run_at, start: float, ok, max_doublings: int = SWEEP_MAX_DOUBLINGS, bisect_steps: int = 3):
     """Highest rate for which ok(run_at(rate)) holds: doubling (or halving) to bracket it, then
     bisection. Returns (best rate or 0.0, [(rate, result)]) with every trial."""
     trials, good, bad = [], None, None
@@ -151,12 +154,17 @@ def _trial_row(rate, res) -> dict:
             "duration_s": res["duration_s"], "cached_prompt_tokens": res["cached_prompt_tokens"]}
 
 
+def sweep_start(args) -> float:
+    """--sweep-rates' first rate: --sweep-start, else a finite --request-rate, else 4 req/s."""
+    return args.sweep_start or (args.request_rate if args.request_rate != float("inf") else 4.0)
+
+
 def sweep_mode(llm, args, prepared, slos: dict, name: str, progress) -> dict:
     """--sweep-rates for one mode: each trial a fresh set of --sweep-num-prompts requests (the
     dataset's first lines, or random prompts of a new seed) from a cold prefix cache (run_once).
     A function of its own, not a closure in main(): main deletes `llm` after each mode, which left
     the closure's name undefined to pyflakes."""
-    start = args.sweep_start or (args.request_rate if args.request_rate != float("inf") else 4.0)
+    start = sweep_start(args)
     seeds = iter(range(args.seed + 2000, args.seed + 3000))
 
     def run_at(rate):
@@ -215,6 +223,11 @@ def check_args(args) -> None:
         raise SystemExit(f"pcg bench load-test: --request-rate {args.request_rate:g} with --burstiness "
                          f"{args.burstiness:g} gives no finite gap between requests (the gaps' scale is "
                          "1 / (rate * burstiness)); raise them")
+    if args.sweep_rates:    # (the default --request-rate inf skips the check above; a sweep halves its rate)
+        lowest = sweep_start(args) / 2 ** SWEEP_MAX_DOUBLINGS
+        if gap_scale(lowest, args.burstiness) is None:
+            raise SystemExit(f"pcg bench load-test: --sweep-rates tries rates down to {lowest:g} req/s, which with "
+                             f"--burstiness {args.burstiness:g} give no finite gap between requests; raise them")
     # Flags of the random prompts, dropped without a word with --dataset (its lines give each
     # request's prompt and output length; --output-len is the default for a line without one).
     if args.dataset is not None:

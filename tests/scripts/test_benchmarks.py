@@ -647,6 +647,8 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
      "finite gap between requests"),
     (["--request-rate", "1e-320"], "--request-rate 9.99989e-321 with --burstiness 1 gives no finite gap"),
     (["--request-rate", "1e-200", "--burstiness", "1e-200"], "gives no finite gap between requests"),
+    (["--sweep-rates", "--burstiness", "1e-308"], "--sweep-rates tries rates down to 0.0625 req/s, which with "
+     "--burstiness 1e-308 give no finite gap"),       # (rate inf: the sweep starts at 4 and halves)
     # random-prompt flags with --dataset were dropped without a word
     (["--dataset", "d.jsonl", "--shared-prefix-len", "5"], "--shared-prefix-len shapes the random prompts; with "
      "--dataset the file gives the prompts and output lengths: leave out --shared-prefix-len \\(got 5\\)"),
