@@ -203,7 +203,9 @@ def cmd_generate(args) -> int:
         source = sources[index] if index is not None and (len(prompts) > 1 or args.prompts_file) else None
         text = _name_the_flag(e, lambda field: hasattr(args, field) and (source is None or field != "prompt"))
         if source is not None:
-            text = f"{source}: {text}"
+            # generate()'s "(prompt 0 of 2; ...)" counts from 0: beside "--prompt #1" or a file's
+            # line it named the same prompt by a second, different number
+            text = f"{source}: {text.replace(f'(prompt {index} of {len(prompts)}; ', '(')}"
         # escape: a message quoting a path or stop string with [brackets] is not rich markup;
         # soft_wrap: one line, whatever the terminal's width (logs get grepped)
         err.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True)

@@ -257,8 +257,11 @@ def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
 @pytest.mark.parametrize("lines, flags, expected", [
     # named the --prompt flag, for a prompt from the file
     ('\n\n{"prompt": ""}\n', ["--prompt", "hi"],
-     "--prompts-file: line 3: prompt: is empty; give at least one character or token (prompt 1 of 2; "
-     "none of them was run)"),
+     "--prompts-file: line 3: prompt: is empty; give at least one character or token (none of them was run)"),
+    # "--prompt #1: ... (prompt 0 of 2; ...)": one prompt, two numbers
+    (None, ["--prompt", "hi", "--prompt", "there", "--max-tokens", "64"],
+     "--prompt #1: --max-tokens (max_tokens): prompt has 1 tokens and max_tokens is 64, beyond max_model_len 64; "
+     "max_tokens allowed: 1..63 (or set truncate_prompt_tokens to shorten the prompt) (none of them was run)"),
     # said "prompt 1 of 2" only: the file's line had to be counted out (blank lines left out)
     ('ok\n\n{"prompt": [5, 99999]}\n', [],
      "--prompts-file: line 3: prompt_token_ids: token 99999 at position 1 is outside the vocabulary"),
@@ -269,7 +272,8 @@ def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
      "max_model_len 64; max_tokens allowed: 1..4"),
     (None, ["--prompt", "hi", "--prompt", ""], "--prompt #2: prompt: is empty"),
     (None, ["--prompt", ""], "--prompt (prompt): is empty"),       # the only prompt: the flag says it
-], ids=["empty-line-prompt", "ids-outside-vocab", "stream", "too-long", "second-prompt-flag", "only-prompt"])
+], ids=["empty-line-prompt", "first-prompt-flag", "ids-outside-vocab", "stream", "too-long", "second-prompt-flag",
+        "only-prompt"])
 def test_refused_prompt_names_its_file_line(tiny_paths, tmp_path, capsys, lines, flags, expected):
     from pcg_engine import cli
     if lines is not None:
@@ -299,8 +303,7 @@ def test_stream_refuses_a_bad_prompt_before_running_any(tiny_paths, capsys, monk
                      *extra]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.strip().splitlines()[-1] == (
-        "error: --prompt #3: prompt: is empty; give at least one character or token (prompt 2 of 3; none of them "
-        "was run)")
+        "error: --prompt #3: prompt: is empty; give at least one character or token (none of them was run)")
     engine, = engines
     assert engine.stats.steps == 0 and not engine.has_unfinished_requests()
     assert engine.scheduler.block_manager.num_used_blocks == 0
