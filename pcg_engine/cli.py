@@ -165,7 +165,9 @@ def cmd_generate(args) -> int:
         if args.chat:
             bad = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
             if bad is not None:
-                raise SystemExit(f"--chat: prompt {bad} is token ids; the chat template needs text prompts")
+                # (it said "prompt 1", counting from 0, for the file's line 2)
+                raise SystemExit(f"--chat: {sources[bad]}: the prompt is token ids; the chat template needs text "
+                                 "prompts")
             if not getattr(llm.tokenizer, "chat_template", None):
                 # transformers' own ValueError named neither --chat nor the checkpoint
                 raise SystemExit(f"--chat: the tokenizer of {llm.engine.model_path} has no chat template "

@@ -247,11 +247,11 @@ def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
     TypeError."""
     from pcg_engine import cli
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "hi"}\n{"prompt": [5, 6, 7]}\n')
+    path.write_text('{"prompt": "hi"}\n\n{"prompt": [5, 6, 7]}\n')      # (named "prompt 1", counting from 0)
     assert cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--chat",
                      "--prompts-file", str(path), "--max-tokens", "2"]) == 2
-    assert capsys.readouterr().err.strip().endswith("error: --chat: prompt 1 is token ids; the chat template "
-                                                   "needs text prompts")
+    assert capsys.readouterr().err.strip().endswith("error: --chat: --prompts-file: line 3: the prompt is token "
+                                                   "ids; the chat template needs text prompts")
 
 
 @pytest.mark.parametrize("lines, flags, expected", [
