@@ -169,6 +169,34 @@ def parse_modes(spec: str) -> list[tuple[str, dict]]:
     return out
 
 
+def check_modes(args: argparse.Namespace, modes: list[tuple[str, dict]]) -> None:
+    """Refuse, before any engine is built, a mode of --modes that this device cannot build: the
+    modes ran in turn, so 'eager,full_decode' on the CPU ran the whole eager benchmark, then lost
+    its result to the second mode's ConfigError (named 'mode:', not --modes). The checks are
+    ModelRunner's that need no weights: the fields, Triton on this device, buckets the mode uses,
+    a graph-safe attention backend for the full-graph modes."""
+    from pcg_engine.config import EngineConfig
+    from pcg_engine.errors import ConfigError
+    for name, mode_kw in modes:
+        try:
+            cfg = EngineConfig(**engine_kwargs(args), **mode_kw)
+            device_type = cfg.resolved_device().split(":")[0]
+            cfg.check_triton_usable(device_type)
+            mode = cfg.resolved_mode(device_type)
+            cfg.check_buckets_used(mode)
+            backend = cfg.attention_backend
+            if backend == "auto":
+                backend = "triton" if device_type == "cuda" else "torch"
+            if mode in ("full_decode", "full_and_piecewise") and backend != "triton":
+                # (the one graph-safe backend: attention/triton_backend.py's cuda_graph_safe)
+                raise ConfigError("mode", f"{mode!r} replays whole-step CUDA graphs, which the {backend!r} attention "
+                                          f"backend cannot run in; allowed here: eager, compile, piecewise")
+        except ConfigError as e:
+            if e.field != "mode":
+                raise               # a flag's own value: named by the caller as before
+            raise SystemExit(f"--modes: {name!r}: {str(e).removeprefix('mode: ')}") from None
+
+
 def build_llm(model_path: str, **config):
     from pcg_engine.llm import LLM
     return LLM(model_path, **config)
@@ -202,6 +230,7 @@ def run_each_mode(args, model: str, run_mode, describe: str, module: str | None 
     from rich.console import Console
     console = Console(stderr=True)
     modes = parse_modes(args.modes)
+    check_modes(args, modes)
     if args.mode_result:
         (name, mode_kw), = modes
         result = _run_one_mode(args, model, run_mode, describe, name, mode_kw, console)

@@ -248,11 +248,13 @@ def main(argv=None) -> int:
     if args.sweep_rates and not slos:
         raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")
     resolve_num_prompts(args, entries)
+    modes = common.parse_modes(args.modes)
+    common.check_modes(args, modes)     # every mode buildable here, before the first one runs
     console = Console(stderr=True)
     model = common.resolve_model(args.model, args.seed)
     prepared = prepare(args, model, entries)    # every request checked before an engine is built
     results, sweeps = {}, {}
-    for name, mode_kw in common.parse_modes(args.modes):
+    for name, mode_kw in modes:
         console.print(f"[bold]mode {name}[/bold]: building the engine")
         llm = common.build_llm(model, **common.engine_kwargs(args), **mode_kw)
         dataset = build_dataset(args, llm, args.num_prompts, args.seed, prepared)

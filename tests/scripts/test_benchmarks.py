@@ -661,6 +661,18 @@ def test_load_test_refuses_before_building_an_engine(flags, expected):
         load_test.check_args(load_test.make_parser().parse_args(flags))
 
 
+@pytest.mark.parametrize("module", [latency, throughput, load_test])
+def test_a_mode_this_device_cannot_build_is_refused_before_any_runs(module, monkeypatch):
+    """Found by probing: --modes eager,full_decode on the CPU ran the whole eager benchmark, then the
+    second engine's ConfigError ('mode: ...', not naming --modes) threw the first result away."""
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit) as e:
+        module.main(["--model", "tiny-qwen3", "--device", "cpu", "--modes", "eager,full_decode",
+                     "--attention-backend", "torch", "--input-len", "4", "--output-len", "2"])
+    assert str(e.value) == ("--modes: 'full_decode': 'full_decode' replays whole-step CUDA graphs, which the 'torch' "
+                            "attention backend cannot run in; allowed here: eager, compile, piecewise")
+
+
 @pytest.mark.parametrize("module", [latency, throughput, load_test, overhead, profile])
 @pytest.mark.parametrize("flags, expected", [
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
