@@ -74,6 +74,11 @@ def prepare(args, model: str, entries) -> list[tuple[list[int], int]] | None:
     config = read_config(model)
     limit, what, flag = common.request_token_limit(args, model)
     if not entries:
+        from pcg_engine.engine.tokenizer import LazyTokenizer
+        tokens = LazyTokenizer(model)
+        if not tokens.available:    # (found by token_pool only once the engine was built)
+            raise SystemExit(f"random prompts are drawn from the tokenizer's ids, but {tokens.missing()}; give "
+                             "--dataset with token-id prompts")
         _, hi = common.length_bounds(args.input_len, args.range_ratio)
         _, ohi = common.length_bounds(args.output_len, args.range_ratio)
         prompt = args.shared_prefix_len + hi

@@ -260,6 +260,26 @@ def test_load_test_requests_that_cannot_run_are_refused_before_building_an_engin
     assert expected in str(e.value)
 
 
+def test_load_test_random_prompts_without_a_tokenizer_refused_before_building_an_engine(tiny_model, tmp_path,
+                                                                                          monkeypatch):
+    """Found by probing: a checkpoint without tokenizer files built the engine, then token_pool's
+    CheckpointError stopped the run; random prompts need the tokenizer's ids."""
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    for f in model.glob("tokenizer*"):
+        f.unlink()
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit, match="random prompts are drawn from the tokenizer's ids, but the checkpoint .* "
+                                         "has no tokenizer .*; give --dataset with token-id prompts"):
+        load_test.main(["--model", str(model), "--device", "cpu", "--input-len", "4", "--output-len", "2"])
+    (tmp_path / "d.jsonl").write_text('{"prompt": [5, 6, 7]}\n')   # token ids need none: checked, then built
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("built")))
+    with pytest.raises(RuntimeError, match="built"):
+        load_test.main(["--model", str(model), "--device", "cpu", "--dataset", str(tmp_path / "d.jsonl"),
+                        "--output-len", "2"])
+
+
 def test_load_test_missing_dataset(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
     with pytest.raises(SystemExit, match="--dataset: cannot read"):
