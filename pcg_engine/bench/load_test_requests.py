@@ -33,6 +33,12 @@ def read_dataset(path: str) -> list[tuple[int, str | list[int], int | None]]:
         if not (isinstance(prompt, str) and prompt) and not ids_ok:
             raise SystemExit(f"--dataset: line {number}: needs a \"prompt\": a non-empty string or list of "
                              f"token ids (integers >= 0)")
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:    # a "\ud800" escape: the tokenizer's TypeError traceback
+                raise SystemExit(f"--dataset: line {number}: \"prompt\" is not valid Unicode text: {e.reason} at "
+                                 f"character {e.start}") from None
         # A sampling parameter on the line ("max_tokens": 50, where output_len was meant) was dropped
         # without a word: the request ran with the default output length.
         own = sampling_field(obj)

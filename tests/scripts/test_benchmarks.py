@@ -193,6 +193,9 @@ def test_load_test_dataset_runs_start_from_a_cold_prefix_cache(tmp_path):
                                             '"prompt" and "output_len"'),
     (b"\n\n", "holds no request"),
     (b"\xff\xfe", "is not UTF-8 text"),
+    # found by probing: a lone surrogate escape reached the tokenizer, a TypeError traceback
+    (b'{"prompt": "a"}\n{"prompt": "ab\\ud800c"}\n', 'line 2: "prompt" is not valid Unicode text: surrogates not '
+                                                    'allowed at character 2'),
 ])
 def test_load_test_bad_dataset_named_before_building_an_engine(tmp_path, content, expected, monkeypatch):
     ds = tmp_path / "d.jsonl"
