@@ -170,7 +170,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scale_ptr,
                          N, K, num_valid, top_k, stride_am, stride_we, stride_wn, stride_cm,
                          GATED: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_SCALE: tl.constexpr,
-                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr):
     """C[a] = A[src(a)] @ W[expert].T for this program's BLOCK_M assignments a and BLOCK_N columns.
@@ -178,6 +178,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_
     GATED: W holds 2N rows (gate then up); C gets silu(gate) * up, N wide.
     A_PER_TOKEN: A has a row per token (src = a // top_k), else a row per assignment.
     MUL_SCALE: scale row a by scale[a] (the router weight) before the single rounding.
+    UPCAST: the tiles are converted to fp32 before the dots (bf16 under the CPU interpreter).
     """
     if PDL:  # kernels/pdl.py: the alignment, A and the router weights come from earlier kernels
         gdc_wait()
@@ -217,6 +218,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+            if GATED:
+                w_up = w_up.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if GATED:
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
@@ -270,12 +276,16 @@ def _grouped_gemm(a, w, c, align, scale, top_k, gated, per_token, cfg: MoEConfig
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     grid = (sorted_ids.numel() // cfg.block_m, triton.cdiv(n, cfg.block_n))
+    # Triton's CPU interpreter (the only way a kernel launches on CPU tensors, however
+    # TRITON_INTERPRET is spelt) computes a bf16 tl.dot on the operands' raw bits: garbage, the tiny
+    # MoE model answered one token at every step. There, and only there, bf16 tiles go to fp32 first.
+    upcast = a.device.type == "cpu" and a.dtype == torch.bfloat16
     _grouped_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, num_padded, scale,
         n, k, c.shape[0], top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         GATED=gated, A_PER_TOKEN=per_token, MUL_SCALE=scale is not None, EVEN_K=k % cfg.block_k == 0,
         # fp32 stays exact (tf32 would lose 13 mantissa bits); bf16/fp16 dots ignore the setting.
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(a.device))
 

@@ -109,8 +109,8 @@ def test_all_tokens_to_one_expert_top1_and_strided_x(device, poison_empty):
 
 
 def test_half_precision_and_bad_inputs(device):
-    # fp16, not bf16: Triton's CPU interpreter multiplies bf16 dot operands as raw integers.
-    # bf16 is covered on the GPU at real shapes.
+    # fp16 here; bf16 below (under the CPU interpreter the kernel upcasts bf16 tiles) and on the GPU
+    # at real shapes.
     n, num_experts, top_k, d, inter = 6, 4, 2, 32, 16
     x = torch.randn(n, d, device=device).half()
     w13, w2 = weights(num_experts, d, inter, device, torch.float16)
@@ -126,6 +126,22 @@ def test_half_precision_and_bad_inputs(device):
         fused_moe(x, w13, w2, topk_weights, topk_ids[:, :1])
     with pytest.raises(ValueError, match="x: expected a floating-point"):   # was: an error inside Triton
         fused_moe(x.long(), w13.long(), w2.long(), topk_weights, topk_ids)
+
+
+@pytest.mark.parametrize("n,top_k", [(5, 2), (20, 1)])
+def test_bfloat16_matches_the_loop(n, top_k, device, poison_empty):
+    """bf16 through the fused kernel. Triton's CPU interpreter computed a bf16 tl.dot on the raw
+    bits: the output was ~1e10 off (the tiny MoE model in bfloat16 with kernels=True answered the
+    same token at every step); the kernel now upcasts bf16 tiles to fp32 there."""
+    num_experts, d, inter = 4, 32, 16
+    x = torch.randn(n, d, device=device)
+    w13, w2 = weights(num_experts, d, inter, device)
+    topk_weights, topk_ids = routing(n, num_experts, top_k, device)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert out.dtype == torch.bfloat16
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
 
 
 A3B = dict(num_experts=128, d=2048, inter=768, top_k=8)  # Qwen3-30B-A3B's MoE layer
