@@ -136,6 +136,11 @@ class EngineConfig:
             check(name, isinstance(getattr(self, name), bool), "True or False")
         for name in ("kernels", "async_scheduling"):
             check(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None, True or False")
+        # The kernels are switched on by the fuse transform (models/fuse.py): kernels=True with
+        # fuse=False loaded the model without them, without a word (a kernels-vs-reference comparison
+        # then compared the reference with itself, the MoE's grouped GEMM never ran).
+        check("kernels", not (self.kernels and not self.fuse),
+              "None or False with fuse=False (the Triton kernels run on the fused model: fuse=True)")
         # torch.manual_seed's range
         check("seed", is_int(self.seed) and -2**63 <= self.seed < 2**64, "an int in [-2**63, 2**64)")
         check("compile_cache_dir", self.compile_cache_dir is None or isinstance(self.compile_cache_dir, (str, os.PathLike)),

@@ -41,6 +41,16 @@ def test_field_of_the_wrong_type_is_named(field, value, allowed):
     assert e.value.field == field and allowed in str(e.value)
 
 
+def test_kernels_without_fuse_is_refused():
+    """kernels=True with fuse=False loaded the model without any kernel (the fuse transform is what
+    switches them on), without a word: the MoE layers ran the reference loop, not the grouped GEMM."""
+    with pytest.raises(ConfigError, match="kernels: got True; allowed: None or False with fuse=False") as e:
+        EngineConfig(kernels=True, fuse=False)
+    assert e.value.field == "kernels"
+    assert EngineConfig(kernels=False, fuse=False).kernels is False
+    assert EngineConfig(fuse=False).kernels is None and EngineConfig(kernels=True).fuse is True
+
+
 @pytest.mark.parametrize("field, value, allowed", [
     ("max_num_batched_tokens", 10**9, "1..262144"), ("max_num_batched_tokens", 2**18 + 1, "1..262144"),
     ("max_num_batched_tokens", 0, "1..262144"), ("max_num_seqs", 10**9, "1..4096"),
