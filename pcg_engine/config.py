@@ -192,8 +192,8 @@ class EngineConfig:
         """Triton launches need a GPU, or its CPU interpreter (TRITON_INTERPRET=1, read when triton
         is imported; the tests set it). Without either, the first launch failed deep in Triton with
         "0 active drivers", after the weights were loaded."""
-        # Triton reads the variable as a boolean: "1", "true" or "on" in any case.
-        if device_type == "cuda" or os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on"):
+        from pcg_engine.kernels import triton_interpreting   # Triton's own reading of the variable
+        if device_type == "cuda" or triton_interpreting():
             return
         if self.attention_backend == "triton":
             raise ConfigError("attention_backend", f"'triton' needs a CUDA device (or Triton's CPU interpreter, "

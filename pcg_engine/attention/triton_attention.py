@@ -42,7 +42,6 @@ are the last n of its seq_len positions; seq_len 0 -> zeros; query_start_loc[0] 
 """
 
 import math
-import os
 
 import torch
 import triton
@@ -50,7 +49,7 @@ import triton.language as tl
 
 from pcg_engine.attention import launch_plan
 from pcg_engine.attention.metadata import check_index_tensor
-from pcg_engine.kernels import fast_launch, pdl
+from pcg_engine.kernels import fast_launch, pdl, triton_interpreting
 from pcg_engine.attention.split_merge import (  # noqa: F401  (re-exported: tests, rope_decode_attention)
     _COUNTERS, _merge_partials, _merge_splits_kernel, _split_counters)
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
@@ -64,7 +63,7 @@ from pcg_engine.attention.launch_config import (  # noqa: F401
 SEARCH_BLOCK = 128  # requests per vector load when a program looks up its request
 # Triton's CPU interpreter computes bf16 tl.dot on the raw bits (garbage); there, and only there,
 # bf16 operands are upcast to fp32 so the CPU tests still check the kernel's logic in bf16.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = triton_interpreting()
 
 
 @triton.jit

@@ -64,7 +64,8 @@ def _async_compile_mode():
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
         return None
-    return None if os.environ.get("TRITON_INTERPRET", "0") == "1" else AsyncCompileMode
+    from pcg_engine.kernels import triton_interpreting
+    return None if triton_interpreting() else AsyncCompileMode
 
 
 def available(runner) -> bool:

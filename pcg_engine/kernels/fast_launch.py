@@ -49,6 +49,8 @@ from collections import OrderedDict
 import torch
 import triton
 
+from pcg_engine.kernels import triton_interpreting
+
 __all__ = ["ENABLED", "LaunchCache", "RecordedLaunch", "current_stream", "hooks_set", "jit_launch",
            "launch"]
 
@@ -71,7 +73,7 @@ except ImportError:  # pragma: no cover - a Triton without knobs predates every 
     _RUNTIME, JITFunction = None, ()
 
 ENABLED = (os.environ.get("PCG_FAST_LAUNCH", "1") != "0"
-           and os.environ.get("TRITON_INTERPRET", "0") != "1"
+           and not triton_interpreting()
            and _version(triton.__version__) in VERIFIED and _RUNTIME is not None)
 
 
