@@ -28,13 +28,12 @@ interpreter (inline PTX) and below sm_90.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from pcg_engine.kernels import pdl
+from pcg_engine.kernels import pdl, triton_interpreting
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 LINE = 128            # bytes a line prefetch asks for
@@ -80,7 +79,7 @@ def _capable(index: int) -> bool:
 
 def available(device: torch.device) -> bool:
     """Whether prefetch() does anything on `device`."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if device.type != "cuda" or triton_interpreting():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

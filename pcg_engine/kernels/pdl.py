@@ -42,9 +42,11 @@ from contextlib import contextmanager
 import torch
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pcg_engine.kernels import triton_interpreting
+
 __all__ = ["active", "enabled", "launch_kwargs", "scope", "gdc_wait", "gdc_launch_dependents"]
 
-_WANTED = os.environ.get("PCG_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+_WANTED = os.environ.get("PCG_PDL", "1") != "0" and not triton_interpreting()
 
 
 @functools.lru_cache(maxsize=None)
