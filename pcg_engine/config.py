@@ -202,6 +202,24 @@ class EngineConfig:
             raise ConfigError("kernels", f"True runs Triton kernels, which need a CUDA device (or Triton's CPU "
                                          f"interpreter, TRITON_INTERPRET=1); on {device_type} allowed: None, False")
 
+    def resolved_attention_backend(self, device_type: str) -> str:
+        """'auto' -> 'triton' on CUDA, 'torch' elsewhere."""
+        if self.attention_backend == "auto":
+            return "triton" if device_type == "cuda" else "torch"
+        return self.attention_backend
+
+    def check_mode_backend(self, device_type: str) -> None:
+        """The full-graph modes replay whole-step CUDA graphs, attention included: only a graph-safe
+        backend (attention/triton_backend.py's cuda_graph_safe; torch_backend reads host values per
+        step) can run in them. Checked by ModelRunner and, before any engine is built, by the
+        benchmarks' --modes (bench/common.check_modes)."""
+        mode, backend = self.resolved_mode(device_type), self.resolved_attention_backend(device_type)
+        if mode in BUCKET_MODES["decode_buckets"] and backend != "triton":
+            raise ConfigError("mode", f"{mode!r} replays whole-step CUDA graphs and needs a graph-safe attention "
+                                      f"backend; {backend!r} is not; allowed with it: eager, compile, piecewise "
+                                      f"(or attention_backend='triton'"
+                                      + (", which on the CPU needs TRITON_INTERPRET=1)" if device_type != "cuda" else ")"))
+
     def resolved_mode(self, device_type: str) -> str:
         if self.mode == "auto":
             return "full_and_piecewise" if device_type == "cuda" else "eager"

@@ -182,15 +182,8 @@ def check_modes(args: argparse.Namespace, modes: list[tuple[str, dict]]) -> None
             cfg = EngineConfig(**engine_kwargs(args), **mode_kw)
             device_type = cfg.resolved_device().split(":")[0]
             cfg.check_triton_usable(device_type)
-            mode = cfg.resolved_mode(device_type)
-            cfg.check_buckets_used(mode)
-            backend = cfg.attention_backend
-            if backend == "auto":
-                backend = "triton" if device_type == "cuda" else "torch"
-            if mode in ("full_decode", "full_and_piecewise") and backend != "triton":
-                # (the one graph-safe backend: attention/triton_backend.py's cuda_graph_safe)
-                raise ConfigError("mode", f"{mode!r} replays whole-step CUDA graphs, which the {backend!r} attention "
-                                          f"backend cannot run in; allowed here: eager, compile, piecewise")
+            cfg.check_buckets_used(cfg.resolved_mode(device_type))
+            cfg.check_mode_backend(device_type)
         except ConfigError as e:
             if e.field != "mode":
                 raise               # a flag's own value: named by the caller as before

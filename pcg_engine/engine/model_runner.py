@@ -93,16 +93,10 @@ class ModelRunner:
         self.mode = config.resolved_mode(device.type)
         theta = getattr(hf, "rope_theta", None) or (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 1e6)
         self.cos_sin = rope_cache(self.head_dim, max(self.max_model_len, 2), theta, device=device)
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if device.type == "cuda" else "torch"
-        self.backend = make_backend(backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                    head_dim=self.head_dim, block_size=self.block_size, cos_sin=self.cos_sin)
-        if self.mode in ("full_decode", "full_and_piecewise") and not self.backend.cuda_graph_safe:
-            raise ConfigError("mode", f"{self.mode!r} replays whole-step CUDA graphs and needs a graph-safe "
-                                      f"attention backend; {self.backend.name!r} is not; allowed with it: eager, "
-                                      f"compile, piecewise (or attention_backend='triton'"
-                                      + (", which on the CPU needs TRITON_INTERPRET=1)" if device.type != "cuda" else ")"))
+        config.check_mode_backend(device.type)
+        self.backend = make_backend(config.resolved_attention_backend(device.type), num_heads=self.num_heads,
+                                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                    block_size=self.block_size, cos_sin=self.cos_sin)
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.max_num_tokens,
                                 device, host_metadata=self.backend.name != "triton")   # torch_backend.py reads them
