@@ -101,6 +101,27 @@ def test_metrics_count_a_request_without_tokens_and_an_aborted_one_as_failed():
     assert sum(not r["ok"] for r in rows) == res["failed"]
 
 
+def test_input_len_defaults_without_a_dataset():
+    args = load_test.make_parser().parse_args([])
+    load_test.check_args(args)
+    assert args.input_len == load_test.DEFAULT_INPUT_LEN
+
+
+@pytest.mark.parametrize("limit, lower_bound", [(13.0, False), (1e9, True)])
+def test_sweep_that_never_fails_reports_a_lower_bound(monkeypatch, limit, lower_bound):
+    """Found by probing: a sweep whose every trial met the SLOs reported its last rate (3200) as the
+    highest the engine holds."""
+    def fake_run(llm, dataset, args, rate, slos, label, progress):
+        return {"slo_attainment": 1.0 if rate <= limit else 0.0, "goodput": rate, "failed": 0,
+                "ttft_ms": {"p90": 1.0}, "tpot_ms": {"p90": 1.0}, "duration_s": 1.0, "cached_prompt_tokens": 0}
+    monkeypatch.setattr(load_test, "run_once", fake_run)
+    monkeypatch.setattr(load_test, "build_dataset", lambda *a: [])
+    args = load_test.make_parser().parse_args(["--sweep-rates", "--goodput", "ttft:100", "--sweep-start", "4"])
+    out = load_test.sweep_mode(None, args, None, {"ttft": 100.0}, "m", None)
+    assert out["max_rate_is_lower_bound"] is lower_bound
+    assert out["max_rate"] == (13.0 if limit == 13.0 else 4.0 * 2 ** load_test.SWEEP_MAX_DOUBLINGS)
+
+
 def test_sweep_brackets_then_bisects():
     best, trials = load_test.sweep_rates(lambda r: r, 4.0, lambda r: r <= 13, bisect_steps=3)
     assert best == 13.0 and [r for r, _ in trials] == [4, 8, 16, 12, 14, 13]
@@ -676,6 +697,7 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
     (["--dataset", "d.jsonl", "--shared-prefix-len", "5"], "--shared-prefix-len shapes the random prompts; with "
      "--dataset the file gives the prompts and output lengths: leave out --shared-prefix-len \\(got 5\\)"),
     (["--dataset", "d.jsonl", "--range-ratio", "0.5"], "leave out --range-ratio \\(got 0.5\\)"),
+    (["--dataset", "d.jsonl", "--input-len", "64"], "leave out --input-len \\(got 64\\)"),   # (its default was 1024)
 ])
 def test_load_test_refuses_before_building_an_engine(flags, expected):
     """Found by probing: --seed -1 failed inside numpy after the engine was built, --sweep-start 0
