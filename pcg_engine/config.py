@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from pcg_engine.errors import ConfigError
 
+# What kernels=True with fuse=False may be instead (EngineConfig and models/loader.load_model refuse
+# it): the fuse transform is what switches the kernels on, so without it they were dropped unsaid.
+KERNELS_WITHOUT_FUSE = "None or False with fuse=False (the Triton kernels run on the fused model: fuse=True)"
+
 MODES = ("eager", "compile", "full_decode", "piecewise", "full_and_piecewise")
 # The modes that run the forward through torch.compile (Dynamo and Inductor); full_decode captures the
 # eager model.
@@ -139,8 +143,7 @@ class EngineConfig:
         # The kernels are switched on by the fuse transform (models/fuse.py): kernels=True with
         # fuse=False loaded the model without them, without a word (a kernels-vs-reference comparison
         # then compared the reference with itself, the MoE's grouped GEMM never ran).
-        check("kernels", not (self.kernels and not self.fuse),
-              "None or False with fuse=False (the Triton kernels run on the fused model: fuse=True)")
+        check("kernels", not (self.kernels and not self.fuse), KERNELS_WITHOUT_FUSE)
         # torch.manual_seed's range
         check("seed", is_int(self.seed) and -2**63 <= self.seed < 2**64, "an int in [-2**63, 2**64)")
         check("compile_cache_dir", self.compile_cache_dir is None or isinstance(self.compile_cache_dir, (str, os.PathLike)),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pcg_engine.config import KERNELS_WITHOUT_FUSE
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.fuse import fuse as fuse_model
 from pcg_engine.models.json_file import read_json_object
@@ -158,6 +159,8 @@ def _default_dtype(dtype: torch.dtype):
 @torch.no_grad()
 def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool | None = None):
     """Checkpoint directory -> ready flat model on `device` (fused unless fuse=False)."""
+    if kernels and not fuse:
+        raise ValueError(f"kernels: got True; allowed: {KERNELS_WITHOUT_FUSE}")
     path = Path(path)
     device = torch.device(device)
     if dtype is None:

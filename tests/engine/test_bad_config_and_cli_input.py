@@ -48,6 +48,9 @@ def test_kernels_without_fuse_is_refused():
         EngineConfig(kernels=True, fuse=False)
     assert e.value.field == "kernels"
     assert EngineConfig(kernels=False, fuse=False).kernels is False
+    from pcg_engine.models.loader import load_model   # the same rule where a model is loaded directly
+    with pytest.raises(ValueError, match="kernels: got True; allowed: None or False with fuse=False"):
+        load_model("/nonexistent", fuse=False, kernels=True)
     assert EngineConfig(fuse=False).kernels is None and EngineConfig(kernels=True).fuse is True
 
 
