@@ -7,6 +7,7 @@ every JSON a benchmark writes carries `env_record()` and the full configuration 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -212,9 +213,11 @@ def _fresh_processes(args, n_modes: int) -> bool:
     return torch.cuda.is_available()
 
 
-def run_each_mode(args, model: str, run_mode, describe: str, module: str | None = None,
+def run_each_mode(args, model: str, run_mode, describe: str | None, module: str | None = None,
                   argv: list[str] | None = None) -> dict | None:
-    """Build an engine per mode of `--modes`, run `run_mode(llm, args)` on it, free it; name -> result.
+    """Build an engine per mode of `--modes`, run `run_mode(llm, args, name)` on it (name: the
+    --modes entry), free it; name -> result. `describe` is the spinner's text while it runs (None:
+    run_mode shows its own progress, and rich allows one live display at a time).
 
     Modes run one after another, in this process or (--process-per-mode) each in a fresh one that
     runs `python -m module argv --modes <that mode>` and hands its result back as JSON: then no
@@ -255,8 +258,8 @@ def run_each_mode(args, model: str, run_mode, describe: str, module: str | None 
 def _run_one_mode(args, model: str, run_mode, describe: str, name: str, mode_kw: dict, console) -> dict:
     console.print(f"[bold]mode {name}[/bold]: building the engine")
     llm = build_llm(model, **engine_kwargs(args), **mode_kw)
-    with console.status(f"{name}: {describe}"):
-        result = run_mode(llm, args)
+    with console.status(f"{name}: {describe}") if describe is not None else contextlib.nullcontext():
+        result = run_mode(llm, args, name)
     llm.close()   # its KV cache must not count against the next mode's
     del llm
     result["pid"] = os.getpid()   # which process ran it (--process-per-mode)

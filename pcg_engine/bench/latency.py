@@ -43,7 +43,7 @@ def one_iteration(llm, prompts, params) -> list[dict]:
     return rows
 
 
-def run_mode(llm, args) -> dict:
+def run_mode(llm, args, name: str) -> dict:
     rng = np.random.default_rng(args.seed)
     pool = common.token_pool(llm)
     params = common.bench_params(args.output_len)

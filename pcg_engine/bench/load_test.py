@@ -14,6 +14,7 @@ their checks before any engine is built, are load_test_requests.py's.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import threading
 import time
@@ -183,6 +184,7 @@ def sweep_mode(llm, args, prepared, slos: dict, name: str, progress) -> dict:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench load-test", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
+    common.add_process_per_mode_arg(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,piecewise+async (see common)")
     p.add_argument("--num-prompts", type=common.int_at_least(1), default=None,
                    help="requests to send (default: every line of --dataset, else 500)")
@@ -246,10 +248,29 @@ def check_args(args) -> None:
         args.input_len = DEFAULT_INPUT_LEN
 
 
-def main(argv=None) -> int:
-    from rich.console import Console
+def run_mode(llm, args, name: str, prepared=None, slos=None) -> dict:
+    """One mode's measured run (and --sweep-rates, under "sweep"), after its warm-up requests."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.console import Console
+    dataset = build_dataset(args, llm, args.num_prompts, args.seed, prepared)
+    if args.warmup:
+        warm = build_dataset(args, llm, args.warmup, args.seed + 1000, prepared)
+        llm.generate([ids for ids, _ in warm], common.bench_params(min(warm[0][1], 16), args.temperature))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[info]}"), console=Console(stderr=True), disable=args.no_progress) as progress:
+        probe_before = cpu_probe.probe()
+        result = run_once(llm, dataset, args, args.request_rate, slos, name, progress)
+        # the core's speed on fixed host work just before and after the run: bench/cpu_probe.py
+        result["cpu_probe"] = {"before": probe_before, "after": cpu_probe.probe()}
+        result["engine_mode"] = llm.engine.runner.mode
+        result["async_scheduling"] = llm.engine.async_scheduling
+        result["engine_config"] = common.engine_config(llm)
+        if args.sweep_rates:
+            result["sweep"] = sweep_mode(llm, args, prepared, slos, name, progress)
+    return result
 
+
+def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     check_args(args)
     entries = read_dataset(args.dataset) if args.dataset else None
@@ -257,32 +278,13 @@ def main(argv=None) -> int:
     if args.sweep_rates and not slos:
         raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")
     resolve_num_prompts(args, entries)
-    modes = common.parse_modes(args.modes)
-    common.check_modes(args, modes)     # every mode buildable here, before the first one runs
-    console = Console(stderr=True)
     model = common.resolve_model(args.model, args.seed)
     prepared = prepare(args, model, entries)    # every request checked before an engine is built
-    results, sweeps = {}, {}
-    for name, mode_kw in modes:
-        console.print(f"[bold]mode {name}[/bold]: building the engine")
-        llm = common.build_llm(model, **common.engine_kwargs(args), **mode_kw)
-        dataset = build_dataset(args, llm, args.num_prompts, args.seed, prepared)
-        if args.warmup:
-            warm = build_dataset(args, llm, args.warmup, args.seed + 1000, prepared)
-            llm.generate([ids for ids, _ in warm], common.bench_params(min(warm[0][1], 16), args.temperature))
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[info]}"), console=console, disable=args.no_progress) as progress:
-            probe_before = cpu_probe.probe()
-            results[name] = run_once(llm, dataset, args, args.request_rate, slos, name, progress)
-            # the core's speed on fixed host work just before and after the run: bench/cpu_probe.py
-            results[name]["cpu_probe"] = {"before": probe_before, "after": cpu_probe.probe()}
-            results[name]["engine_mode"] = llm.engine.runner.mode
-            results[name]["async_scheduling"] = llm.engine.async_scheduling
-            results[name]["engine_config"] = common.engine_config(llm)
-            if args.sweep_rates:
-                sweeps[name] = sweep_mode(llm, args, prepared, slos, name, progress)
-        llm.close()
-        del llm
+    results = common.run_each_mode(args, model, functools.partial(run_mode, prepared=prepared, slos=slos), None,
+                                   module="pcg_engine.bench.load_test", argv=sys.argv[1:] if argv is None else argv)
+    if results is None:   # a child of --process-per-mode: its result is written
+        return 0
+    sweeps = {name: r.pop("sweep") for name, r in results.items() if "sweep" in r}
     headers, rows = table_rows(results)
     common.print_table(f"load test: {args.num_prompts} requests at {args.request_rate:g} req/s, "
                        f"burstiness {args.burstiness:g}", headers, rows)

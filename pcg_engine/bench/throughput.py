@@ -79,7 +79,7 @@ class StepLog:
         return {k: {"steps": n, "s": t, "ms_per_step": 1000 * t / max(n, 1)} for k, (n, t) in out.items()}
 
 
-def run_mode(llm, args) -> dict:
+def run_mode(llm, args, name: str) -> dict:
     if args.warmup_prompts:
         warm, warm_out = make_dataset(args, llm, args.warmup_prompts, args.seed + 1000)
         llm.generate(warm, [common.bench_params(min(o, 16), args.temperature) for o in warm_out])

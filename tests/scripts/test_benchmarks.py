@@ -364,6 +364,21 @@ def test_latency_process_per_mode_runs_each_mode_in_its_own_process(tmp_path):
     assert all(len(data["modes"][m]["iterations"]) == 1 for m in data["modes"])
 
 
+def test_load_test_process_per_mode_runs_each_mode_in_its_own_process(tmp_path):
+    """P3 compares modes: in one process the later engine decoded slower (docs/PERF.md, session 19)."""
+    out = tmp_path / "load.json"
+    assert load_test.main(["--device", "cpu", "--modes", "eager,eager+sync", "--process-per-mode", "on",
+                           "--num-prompts", "3", "--input-len", "6", "--output-len", "3", "--warmup", "0",
+                           "--sweep-rates", "--goodput", "ttft:100000", "--sweep-num-prompts", "2", "--sweep-bisect", "0",
+                           "--sweep-start", "1000", "--no-progress", "--json", str(out)]) == 0
+    data = read(out)
+    pids = [data["modes"][m]["pid"] for m in ("eager", "eager+sync")]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert data["modes"]["eager+sync"]["async_scheduling"] is False
+    assert all(data["modes"][m]["completed"] == 3 for m in data["modes"])
+    assert set(data["sweep"]) == {"eager", "eager+sync"} and "sweep" not in data["modes"]["eager"]
+
+
 def test_latency_in_one_process_by_default_on_cpu(tmp_path):
     out = tmp_path / "lat.json"
     assert latency.main(["--device", "cpu", "--modes", "eager,eager+sync", "--input-len", "6", "--output-len", "3",
