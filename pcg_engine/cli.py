@@ -25,6 +25,8 @@ def _add_generate(sub):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
+                   help="keep only the last N tokens of a longer prompt (one past the context is refused otherwise)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable; TEXT is left out of the output)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
@@ -145,7 +147,8 @@ def cmd_generate(args) -> int:
     prompts = _read_prompts(args, sources)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop)
+                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop,
+                                truncate_prompt_tokens=args.truncate_prompt_tokens)
         config = dict(device=args.device, dtype=args.dtype, mode=args.mode, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
         if args.dump_graph:

@@ -140,6 +140,14 @@ def refuse_too_long(args: argparse.Namespace, model: str, prompt_len: int, outpu
                          f"more than {what}; lower them or raise {flag}")
 
 
+def refuse_max_num_seqs(args: argparse.Namespace, instead: str) -> None:
+    """Benchmarks whose own flag sets max_num_seqs (overhead's --slots, profile's --requests) replaced
+    a given --max-num-seqs without a word."""
+    if args.max_num_seqs is not None:
+        raise SystemExit(f"--max-num-seqs: this benchmark sets max_num_seqs from {instead}; give {instead} "
+                         f"instead (got --max-num-seqs {args.max_num_seqs})")
+
+
 def parse_modes(spec: str) -> list[tuple[str, dict]]:
     """'eager,piecewise+async,full_and_piecewise+sync+unfused' -> [(name, EngineConfig overrides)].
 

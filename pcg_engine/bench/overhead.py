@@ -164,6 +164,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from rich.console import Console
     args = make_parser().parse_args(argv)
+    common.refuse_max_num_seqs(args, "--batch-sizes" if args.host_only else "--slots")
     console = Console(stderr=True)
     if args.host_only:
         from pcg_engine.bench.host_overhead import run_host_only

@@ -121,6 +121,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from rich.console import Console
     args = make_parser().parse_args(argv)
+    common.refuse_max_num_seqs(args, "--requests")
     console = Console(stderr=True)
     on_cuda = torch.cuda.is_available() and not args.device.startswith("cpu")
     table = dict(CONFIGS)

@@ -298,6 +298,22 @@ def test_refused_prompt_names_its_file_line(tiny_paths, tmp_path, capsys, lines,
     assert err[-1].startswith(f"error: {expected}"), err[-1]
 
 
+def test_truncate_prompt_tokens_flag_runs_a_prompt_the_context_refused(tiny_paths, capsys):
+    """The refusal of a too-long prompt says "or set truncate_prompt_tokens", which generate had no
+    flag for; --truncate-prompt-tokens keeps the prompt's last N tokens, and a bad N is named."""
+    import json
+    from pcg_engine import cli
+    base = ["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--max-model-len", "64",
+            "--max-tokens", "4", "--ignore-eos", "--json", "--prompt", " ".join(["hello"] * 80)]
+    assert cli.main(base) == 2
+    assert "or set truncate_prompt_tokens" in capsys.readouterr().err
+    assert cli.main([*base, "--truncate-prompt-tokens", "20"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 4
+    assert cli.main([*base, "--truncate-prompt-tokens", "0"]) == 2
+    assert "--truncate-prompt-tokens (truncate_prompt_tokens):" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra", [[], ["--json"]])
 def test_stream_refuses_a_bad_prompt_before_running_any(tiny_paths, capsys, monkeypatch, extra):
     """Found by probing: --stream ran the prompts before a bad one (under --json their outputs were

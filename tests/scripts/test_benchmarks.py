@@ -101,6 +101,17 @@ def test_metrics_count_a_request_without_tokens_and_an_aborted_one_as_failed():
     assert sum(not r["ok"] for r in rows) == res["failed"]
 
 
+@pytest.mark.parametrize("module, flags, instead", [
+    (overhead, [], "--slots"), (overhead, ["--host-only"], "--batch-sizes"), (profile, [], "--requests")])
+def test_max_num_seqs_set_by_another_flag_is_refused(module, flags, instead, monkeypatch):
+    """Found by probing: overhead and profile replaced a given --max-num-seqs with their own flag's
+    value without a word."""
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit, match=f"--max-num-seqs: this benchmark sets max_num_seqs from {instead}; "
+                                         f"give {instead} instead \\(got --max-num-seqs 8\\)"):
+        module.main(["--device", "cpu", "--max-num-seqs", "8", *flags])
+
+
 def test_input_len_defaults_without_a_dataset():
     args = load_test.make_parser().parse_args([])
     load_test.check_args(args)
