@@ -93,8 +93,7 @@ def _sink(device: torch.device) -> torch.Tensor:
     return _sinks[device]
 
 
-def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk", chunk: int = CHUNK,
-             pdl_ok: bool = True) -> None:
+def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "line", chunk: int = CHUNK) -> None:
     """Ask L2 for the first `nbytes` (all by default) of t's bytes in memory order. t must be
     contiguous, or the transpose of a contiguous 2-D tensor (models/fuse.py's store_transposed)."""
     if mode not in MODES:
@@ -117,4 +116,4 @@ def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk", chu
     grid = (triton.cdiv(nbytes, step * PER_PROGRAM),)
     _l2_prefetch_kernel[grid](t.view(-1).view(torch.uint8), nbytes, _sink(t.device), STEP=step,
                               PER_PROGRAM=PER_PROGRAM, MODE=MODES.index(mode), num_warps=4,
-                              **(pdl.launch_kwargs(t.device) if pdl_ok else {"PDL": False}))
+                              **pdl.launch_kwargs(t.device))
