@@ -4,20 +4,27 @@ UTF-8, or has a line that is not JSON stops the command in one line naming the f
 number), not in a traceback; each caller then checks the objects' fields. A leading UTF-8 byte-order
 mark (Windows editors write one) is not part of the first line."""
 
+import codecs
 import json
 
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
     """(line number from 1, line) of the file's non-blank lines."""
     try:
-        # utf-8-sig: with plain utf-8 the mark stayed on line 1, so a JSONL file's first line did not
-        # start with "{" and its object was run as a text prompt, JSON and all.
-        with open(path, encoding="utf-8-sig") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise SystemExit(f"{flag}: cannot read {path}: {e.strerror}") from None
+    # The mark is dropped: left on line 1, a JSONL file's first line did not start with "{" and its
+    # object was run as a text prompt, JSON and all.
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SystemExit(f"{flag}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        at = bom + e.start   # (the byte offset alone left the line to be counted out)
+        line = data.count(b"\n", 0, at) + 1
+        raise SystemExit(f"{flag}: {path} is not UTF-8 text: line {line}: {e.reason} at byte {at}") from None
+    text = text.replace("\r\n", "\n").replace("\r", "\n")   # every newline convention, as text mode reads
     return [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 

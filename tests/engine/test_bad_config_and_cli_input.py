@@ -159,6 +159,8 @@ def test_prompts_file_with_a_byte_order_mark(tmp_path):
     (b"ok\n{\"prompt\": \"x\"\n", "line 2 is not valid JSON"),
     (b"{\"text\": \"x\"}\n", "line 1: JSONL line without a 'prompt' field"),
     (b"\xff\xfe bad\n", "is not UTF-8 text"),
+    # the line, not just the byte offset; a byte-order mark counts in the offset
+    (b"\xef\xbb\xbfok\r\nfine\n\nbad \xc3\n", "is not UTF-8 text: line 4: invalid continuation byte at byte 17"),
     (b"\n\n", "holds no prompt (every line is blank)"),     # (it said "give --prompt ... or --prompts-file")
     # a bare number joined its neighbours into one token-id prompt
     (b'{"prompt": 5}\n{"prompt": 6}\n', "line 1: 'prompt' must be a string or a non-empty list of token ids, got 5"),
