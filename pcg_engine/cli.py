@@ -17,7 +17,7 @@ def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", default=None, help="one prompt per line, or JSONL with a 'prompt' field (sampling comes from the flags)")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line, or JSONL with a 'prompt' field (sampling comes from the flags); - reads stdin")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)

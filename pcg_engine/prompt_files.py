@@ -6,13 +6,17 @@ mark (Windows editors write one) is not part of the first line."""
 
 import codecs
 import json
+import sys
 
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
-    """(line number from 1, line) of the file's non-blank lines."""
+    """(line number from 1, line) of the file's non-blank lines; path "-" reads standard input."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        if path == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
     except OSError as e:
         raise SystemExit(f"{flag}: cannot read {path}: {e.strerror}") from None
     # The mark is dropped: left on line 1, a JSONL file's first line did not start with "{" and its

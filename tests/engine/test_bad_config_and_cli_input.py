@@ -143,6 +143,13 @@ def test_prompts_file_plain_lines_and_jsonl(tmp_path):
     assert _read_prompts(_args(path)) == ["first", "second", "third é", [5, 6]]
 
 
+def test_prompts_file_dash_reads_stdin(monkeypatch):
+    import io
+    import sys
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b'one\r\n{"prompt": [5, 6]}\n')))
+    assert _read_prompts(_args("-")) == ["one", [5, 6]]
+
+
 def test_prompts_file_with_a_byte_order_mark(tmp_path):
     """A UTF-8 BOM (Windows editors) is not part of line 1: the first JSONL object was run as the
     text prompt '\\ufeff{"prompt": ...}', and load-test's --dataset called line 1 'not valid JSON'."""
