@@ -146,6 +146,21 @@ def argmax_cases(add):
         add(f"argmax_rows {m.name} R={rows}", False, argmax_rows, empty(rows, m.vocab, dtype=m.dtype))
 
 
+def l2_prefetch_cases(add):
+    """scripts/bench_l2_prefetch.py's requests, every mode; available() says no on the CPU, so it is
+    told yes here (the kernel's inline PTX is what ptxas must take)."""
+    from pcg_engine.kernels import l2_prefetch
+    real = l2_prefetch.available
+    l2_prefetch.available = lambda device: True
+    try:
+        for mode in l2_prefetch.MODES:
+            for pdl_on in (True, False):
+                add(f"l2_prefetch {mode}", pdl_on, l2_prefetch.prefetch, empty(4096, 4096, dtype=torch.bfloat16),
+                    mode=mode)
+    finally:
+        l2_prefetch.available = real
+
+
 # ---- attention ----------------------------------------------------------------------------------
 
 def step(s, T, R, mql, seq, bs=16):
@@ -250,7 +265,8 @@ def collect() -> list[tuple[str, dict]]:
             fn(*args, **kwargs)
 
     # the slow compiles first, so the last ones to finish are short
-    for cases in (attention_cases, moe_cases, skinny_cases, norm_cases, activation_cases, argmax_cases):
+    for cases in (attention_cases, moe_cases, skinny_cases, norm_cases, activation_cases, argmax_cases,
+                  l2_prefetch_cases):
         cases(add)
     tasks, seen = [], set()
     for label, kernel, args, kwargs in launches:
