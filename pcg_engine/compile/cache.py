@@ -10,7 +10,7 @@ directories other users could tamper with.
 
   <root>/<key>/inductor/   TORCHINDUCTOR_CACHE_DIR while the set-up compiles
   <root>/<key>/triton/     TRITON_CACHE_DIR likewise
-  <root>/<key>/trace-kv<N>.bin   a saved trace, one per KV-cache size (saved_trace.py)
+  <root>/<key>/trace-kv<N>x<B>.bin   a saved trace, one per KV-cache shape: N blocks of B tokens (saved_trace.py)
   <root>/<key>/manifest.json   sha256 and size of every file, written last and atomically
 
 key = sha256(model config, sha256 of pcg_engine/**/*.py, torch/triton/python versions, device,

@@ -18,8 +18,9 @@ parameters, provided the backend returns a serializable callable.
                                    pieces, recording ops) around the loaded pieces
                                    (`PcgBackend.rebuild`).
 
-One file per KV-cache size: the KV caches are graph inputs of fixed shape, and on CUDA their size
-follows the free memory, which can differ between two starts. A hit without the file for this
+One file per KV-cache shape: the KV caches are graph inputs of fixed shape, and on CUDA their size
+follows the free memory, which can differ between two starts; the block size (block_size, not in
+the cache key) is part of the shape too. A hit without the file for this
 start's size traces and adds it to the entry.
 
 Nothing here can stop a start: a save that fails (no disk space, an Inductor with its caches
@@ -59,8 +60,10 @@ FORMAT = 1
 _loading = threading.local()
 
 
-def file_name(num_kv_blocks: int) -> str:
-    return f"trace-kv{num_kv_blocks}.bin"
+def file_name(num_kv_blocks: int, block_size: int) -> str:
+    """The trace's file in its cache entry: one per KV-cache shape (the number of blocks and the
+    block size; the cache key covers the rest of the shape, heads and head size, and its dtype)."""
+    return f"trace-kv{num_kv_blocks}x{block_size}.bin"
 
 
 def guard_filter(entries):

@@ -121,9 +121,9 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
     t0 = time.perf_counter()
     cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
     if cache is not None and saved_trace.enabled():
-        # A hit loads the trace an earlier start saved into the entry for this KV-cache size; else
+        # A hit loads the trace an earlier start saved into the entry for this KV-cache shape; else
         # this start saves one (compile/saved_trace.py).
-        path = cache.entry / saved_trace.file_name(runner.num_kv_blocks)
+        path = cache.entry / saved_trace.file_name(runner.num_kv_blocks, runner.block_size)
         forward.saved_trace = (str(path), "load" if cache.state == "hit" and path.exists() else "save")
     before = inductor_cache_counters()
     try:

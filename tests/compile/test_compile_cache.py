@@ -184,7 +184,7 @@ def test_warm_start_loads_the_saved_trace(tiny_dense, cache_root, dense_piecewis
     entry = dense_piecewise.compile_cache.entry
     manifest = json.loads((entry / MANIFEST).read_text())
     # written before the manifest, covered by it
-    assert saved_trace.file_name(dense_piecewise.num_kv_blocks) in manifest["files"]
+    assert saved_trace.file_name(dense_piecewise.num_kv_blocks, dense_piecewise.block_size) in manifest["files"]
     # A new runner is a new model: it loads the trace the first one saved, with its pieces.
     warm = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(cache_root))
     t = warm.timings
@@ -246,7 +246,7 @@ def test_unreadable_saved_trace_falls_back_to_tracing(tiny_dense, cache_root, de
     """A trace file the manifest accepts but this torch cannot read (another release's format):
     the start warns, traces instead, and saves a fresh file that the next start loads."""
     entry = dense_piecewise.compile_cache.entry
-    name = saved_trace.file_name(dense_piecewise.num_kv_blocks)
+    name = saved_trace.file_name(dense_piecewise.num_kv_blocks, dense_piecewise.block_size)
     root = tmp_path / "copy"
     root.mkdir(mode=0o700)
     shutil.copytree(entry, root / entry.name)
@@ -289,7 +289,7 @@ def test_failed_save_does_not_stop_the_start(tiny_dense, tmp_path, dense_eager, 
     monkeypatch.undo()
     second = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
     assert second.timings["compile_cache_hit"] == 1.0 and second.timings["saved_trace_loaded"] == 0.0
-    assert (second.compile_cache.entry / saved_trace.file_name(second.num_kv_blocks)).exists()
+    assert (second.compile_cache.entry / saved_trace.file_name(second.num_kv_blocks, second.block_size)).exists()
     third = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
     assert third.timings["saved_trace_loaded"] == 1.0
     _same_as(dense_eager, third)
@@ -314,13 +314,33 @@ def test_each_kv_cache_size_gets_its_own_saved_trace(tiny_dense, tmp_path, dense
     assert other.timings["compile_cache_hit"] == 1.0 and other.timings["saved_trace_loaded"] == 0.0
     assert other.forward_fn.saved_trace_error is None
     names = set(json.loads((other.compile_cache.entry / MANIFEST).read_text())["files"])
-    assert {saved_trace.file_name(64), saved_trace.file_name(48)} <= names
+    assert {saved_trace.file_name(64, 16), saved_trace.file_name(48, 16)} <= names
     _same_as(dense_eager, other)
     for blocks in (64, 48):
         runner = make_runner(tiny_dense, "piecewise", max_capture_tokens=32, num_kv_blocks=blocks,
                              compile_cache_dir=str(root))
         assert runner.timings["saved_trace_loaded"] == 1.0
     assert first.compile_cache.entry == other.compile_cache.entry
+
+
+def test_each_block_size_gets_its_own_saved_trace(tiny_dense, tmp_path):
+    """block_size is part of the KV caches' shape but not of the cache key. Before, two starts that
+    differed only in it shared one trace file (named by the number of blocks alone): each refused
+    the other's trace ("GuardManager check failed"), warned, traced again and overwrote the file,
+    so neither ever started warm. Now each shape has its own file and both load it."""
+    root = tmp_path / "cc"
+    settings = dict(max_capture_tokens=32, num_kv_blocks=48, compile_cache_dir=str(root))
+    first = make_runner(tiny_dense, "piecewise", **settings)
+    other = make_runner(tiny_dense, "piecewise", block_size=8, **settings)
+    assert other.timings["compile_cache_hit"] == 1.0 and other.forward_fn.saved_trace_error is None
+    names = set(json.loads((other.compile_cache.entry / MANIFEST).read_text())["files"])
+    assert {saved_trace.file_name(48, 16), saved_trace.file_name(48, 8)} <= names
+    for block_size in (16, 8):
+        runner = make_runner(tiny_dense, "piecewise", block_size=block_size, **settings)
+        assert runner.timings["saved_trace_loaded"] == 1.0, block_size
+        assert runner.forward_fn.saved_trace_error is None
+    assert first.compile_cache.entry == other.compile_cache.entry
+    _same_as(make_runner(tiny_dense, "eager", block_size=8), other)
 
 
 def test_saved_trace_off_where_inductor_caches_are(monkeypatch):
