@@ -153,11 +153,12 @@ class EngineConfig:
             check(name, value is None or (isinstance(value, (list, tuple)) and len(value) > 0
                                           and all(is_int(b) and b >= 1 for b in value)),
                   "None or a non-empty list of ints >= 1")
-        # A bucket no step can reach would be dropped without a word (a step holds at most
-        # max(max_num_batched_tokens, max_num_seqs) tokens, a decode batch max_num_seqs requests).
-        for name, limit, by in (("cudagraph_buckets", max(self.max_num_batched_tokens, self.max_num_seqs),
-                                 "max(max_num_batched_tokens, max_num_seqs)"),
-                                ("decode_buckets", self.max_num_seqs, "max_num_seqs")):
+        # A bucket no step can reach would be dropped, or captured and never replayed, without a
+        # word: the scheduler gives a step at most max_num_batched_tokens tokens (a decode costs one
+        # of them), so a decode batch holds at most min(max_num_seqs, max_num_batched_tokens).
+        for name, limit, by in (("cudagraph_buckets", self.max_num_batched_tokens, "max_num_batched_tokens"),
+                                ("decode_buckets", min(self.max_num_seqs, self.max_num_batched_tokens),
+                                 "min(max_num_seqs, max_num_batched_tokens)")):
             beyond = [b for b in getattr(self, name) or () if b > limit]
             check(name, not beyond, f"buckets in 1..{limit} ({by}); {beyond} can never be used")
         if self.mode != "auto":           # "auto": checked once the device is known (ModelRunner)

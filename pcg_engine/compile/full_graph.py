@@ -74,11 +74,12 @@ class FullDecodeGraphs:
             raise ValueError(f"full decode graphs need a graph-safe attention backend; {runner.backend.name!r} "
                              "reads host values per step (use attention_backend='triton' or mode 'piecewise')")
         self.runner = runner
-        limit = min(runner.config.max_num_seqs, runner.max_num_tokens)
+        # a decode costs one token of the step's budget: no decode batch is larger
+        limit = min(runner.config.max_num_seqs, runner.config.max_num_batched_tokens)
         wanted = buckets or default_decode_buckets(limit)
         self.buckets = sorted({b for b in wanted if 1 <= b <= limit})
         if not self.buckets:
-            raise ValueError(f"decode_buckets: none of {wanted} is within 1..{limit} (max_num_seqs)")
+            raise ValueError(f"decode_buckets: none of {wanted} is within 1..{limit} (min(max_num_seqs, max_num_batched_tokens))")
         self.pool = pool if pool is not None else GraphPool(runner.device)
         self.forward = forward or runner.model.forward
         self.fuse_rope = forward is None

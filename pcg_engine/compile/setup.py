@@ -39,7 +39,10 @@ FULL_MODES = BUCKET_MODES["decode_buckets"]        # ("full_decode", "full_and_p
 
 def token_buckets_for(runner) -> list[int]:
     config = runner.config
-    limit = runner.max_num_tokens
+    # No step holds more than max_num_batched_tokens tokens (the scheduler's budget; a decode costs
+    # one): runner.max_num_tokens, max(budget, max_num_seqs), sizes buffers, and buckets up to it
+    # above the budget were captured and never replayed.
+    limit = config.max_num_batched_tokens
     # In full_and_piecewise, decode-only steps replay full graphs: the piecewise buckets serve only
     # prefill and mixed steps, and a sparser list captures a third of the graphs (config.sparse_buckets).
     default = sparse_buckets if runner.mode == "full_and_piecewise" else default_buckets
@@ -129,7 +132,7 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
     try:
         with cache_ctx:
             # Trace and compile at the largest size the runner will graph (Inductor's size hint).
-            trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens, runner.max_num_tokens),
+            trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens, config.max_num_batched_tokens),
                                MIN_TRACED_TOKENS)
             _dummy_forward(runner, forward, trace_tokens)
         if cache is not None:
@@ -164,7 +167,7 @@ def setup_compiled_modes(runner, progress=None) -> None:
     decode_buckets = None
     if mode in FULL_MODES:
         decode_buckets = config.decode_buckets or default_decode_buckets(min(config.max_num_seqs,
-                                                                                 runner.max_num_tokens))
+                                                                                 config.max_num_batched_tokens))
 
     if mode in COMPILED_MODES:
         split = mode != "compile"

@@ -49,8 +49,8 @@ def test_explicit_buckets_and_limits(mode, lowest):
 
 
 @pytest.mark.parametrize("field, value, limit", [
-    ("cudagraph_buckets", [8, 5000], "1..2048 (max(max_num_batched_tokens, max_num_seqs)); [5000]"),
-    ("decode_buckets", [1, 300], "1..256 (max_num_seqs); [300]"),
+    ("cudagraph_buckets", [8, 5000], "1..2048 (max_num_batched_tokens); [5000]"),
+    ("decode_buckets", [1, 300], "1..256 (min(max_num_seqs, max_num_batched_tokens)); [300]"),
 ])
 def test_buckets_no_step_can_reach_are_refused(field, value, limit):
     """Before: dropped without a word (token_buckets_for, FullDecodeGraphs), so [5000] captured nothing."""
@@ -75,3 +75,26 @@ def test_buckets_for_a_mode_that_never_uses_them_are_refused(field, mode):
     assert str(e.value) == (f"{field}: got [1, 2], but mode {mode!r} never uses it; allowed: None, or a list with "
                             f"mode {modes[0]} or {modes[1]}")
     assert getattr(EngineConfig(mode=mode), field) is None       # not given: the mode runs
+
+
+@pytest.mark.parametrize("field, value, limit", [
+    ("cudagraph_buckets", [8, 100], "1..64 (max_num_batched_tokens); [100]"),
+    ("decode_buckets", [4, 65], "1..64 (min(max_num_seqs, max_num_batched_tokens)); [65]"),
+])
+def test_buckets_above_the_step_budget_are_refused(field, value, limit):
+    """The scheduler gives a step at most max_num_batched_tokens tokens, a decode one of them.
+    Before, the limit was max(max_num_batched_tokens, max_num_seqs): with 64-token steps and the
+    default 256 sequences a bucket of 100 passed and was captured, but no step ever reached it."""
+    mode = "piecewise" if field == "cudagraph_buckets" else "full_decode"
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(mode=mode, max_num_batched_tokens=64, **{field: value})
+    assert e.value.field == field and limit in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_default_buckets_stop_at_the_step_budget(mode):
+    """Before: max_num_batched_tokens=64 with max_num_seqs=256 gave buckets up to 256 (every one
+    above 64 captured on CUDA and never replayed); now the largest is the budget."""
+    buckets = token_buckets_for(runner(mode, max_num_batched_tokens=64, max_num_seqs=256))
+    assert buckets[-1] == 64
+    assert token_buckets_for(runner(mode, max_num_batched_tokens=100, max_num_seqs=4))[-1] == 100
