@@ -49,7 +49,7 @@ def fake_runner(mode, Hq, Hk, D, max_tokens=2048, max_seqs=256, max_len=4096):
         r.forward_fn = object()  # compiled
         r.token_buckets = token_buckets_for(r) if mode != "compile" else []
     if mode in ("full_decode", "full_and_piecewise"):
-        g = SimpleNamespace(runner=r, buckets=default_decode_buckets(min(max_seqs, r.max_num_tokens)))
+        g = SimpleNamespace(runner=r, buckets=default_decode_buckets(min(max_seqs, max_tokens)))
         g.bucket_for = types.MethodType(FullDecodeGraphs.bucket_for, g)
         g.metadata = types.MethodType(FullDecodeGraphs.metadata, g)
         r.batch = SimpleNamespace(query_start_loc=torch.zeros(1), seq_lens=torch.zeros(1),
