@@ -130,7 +130,11 @@ class LLMEngine:
                                       f"got {arrival_time!r}")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-            while request_id in self.requests:      # a caller's own id took it
+            # A caller's own id took it, or took it and finished with its final output still
+            # waiting for the caller's next step(): reused, the output went to the new request's
+            # owner (LLM.generate took it as its own) and its caller never saw it.
+            pending = {o.request_id for o in self.pending_outputs}
+            while request_id in self.requests or request_id in pending:
                 request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             # Not str()'d: outputs carry the id as a string, so a caller matching them against its

@@ -348,6 +348,27 @@ def test_automatic_ids_skip_the_ids_callers_chose(llm):
     assert_drained(engine)
 
 
+
+def test_automatic_ids_skip_the_ids_of_outputs_not_yet_collected(llm):
+    """A caller's request that finished inside generate() leaves its final output with the engine
+    for the caller's next step(). A later generate() must not take that id for one of its own
+    requests: it took the caller's output as its own (returning the caller's tokens for its prompt,
+    before its own request had finished) and the caller never saw it."""
+    engine = llm.engine
+    theirs = f"req-{next(engine._ids) + 3}"             # an automatic id a later generate() reaches
+    engine.add_request(_prompt(5), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                       request_id=theirs)
+    llm.generate([_prompt(6)], SamplingParams(temperature=0.0, max_tokens=2))   # theirs finishes meanwhile
+    assert [o.request_id for o in engine.pending_outputs] == [theirs]
+    prompts = random_prompts([4, 5, 6], seed=22)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 2, 6)]
+    outs = llm.generate(prompts, params)
+    assert theirs not in [o.request_id for o in outs]
+    assert [len(o.token_ids) for o in outs] == [2, 2, 6]
+    assert [o.request_id for o in engine.step() if o.finished] == [theirs]   # still the caller's
+    drain(engine)
+    assert_drained(engine)
+
 def test_generate_names_the_bad_prompt(llm):
     with pytest.raises(InvalidRequestError) as info:
         llm.generate(["a", "b", [5, VOCAB + 1]], SamplingParams(max_tokens=2))
