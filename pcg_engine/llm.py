@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine.llm_engine import LLMEngine
-from pcg_engine.errors import InvalidRequestError
+from pcg_engine.errors import EngineClosedError, InvalidRequestError
 from pcg_engine.outputs import RequestOutput
 from pcg_engine.sampling_params import SamplingParams
 
@@ -129,6 +129,8 @@ class LLM:
                     yield out
                     if out.finished:
                         return
+                if self.engine.closed:   # close() dropped its request: not someone else's step()
+                    raise EngineClosedError("stream")
                 if rid not in self.engine.requests and all(o.request_id != rid
                                                            for o in self.engine.pending_outputs):
                     # Finished, but its final output went to someone else's engine.step(): no

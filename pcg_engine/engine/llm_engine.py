@@ -238,6 +238,8 @@ class LLMEngine:
         return [int(t) for t in ids]                 # numpy integers as plain ints
 
     def abort_request(self, request_id: str) -> None:
+        if self.closed:     # close() dropped every request: not "not a request of this engine"
+            raise EngineClosedError("abort_request")
         request = self.requests.get(str(request_id))
         if request is None:
             raise InvalidRequestError("request_id", f"{request_id!r} is not an unfinished request of this engine")

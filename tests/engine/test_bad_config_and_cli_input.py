@@ -244,6 +244,27 @@ def test_calls_after_close_name_the_closed_engine(tiny_paths):
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
 
 
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_stream_and_an_abort_after_close_name_the_closed_engine(tiny_paths, async_scheduling):
+    """A stream started before close() and resumed after it raised a RuntimeError saying another
+    caller of engine.step() had taken its final output; abort_request said the request was not one
+    of the engine's. Both now raise EngineClosedError."""
+    from engine_helpers import make_llm
+    from pcg_engine.errors import EngineClosedError
+    llm = make_llm(tiny_paths["tiny-qwen3"], async_scheduling=async_scheduling)
+    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    rid = llm.engine.add_request([5, 6, 7], params)
+    llm.engine.step()
+    stream = llm.stream([8, 9, 10], params)
+    next(stream)
+    llm.close()
+    with pytest.raises(EngineClosedError, match="stream: the engine is closed"):
+        next(stream)
+    with pytest.raises(EngineClosedError, match="abort_request: the engine is closed"):
+        llm.engine.abort_request(rid)
+    stream.close()
+
 def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     from pcg_engine import cli
 
