@@ -267,6 +267,13 @@ class LLMEngine:
         idle engine; returns False, changing nothing, while a request is unfinished."""
         if self.closed:
             raise EngineClosedError("reset_prefix_cache")
+        if self.inflight is not None and not self.requests and not self.pending_outputs:
+            # Async: a step still in flight whose requests have all gone (an abandoned stream, an
+            # interrupted generate() abort theirs and do not step). Nothing of it is left to read:
+            # settle it here, dropping its tokens as a step would, rather than answer False on an
+            # engine where no request runs (the load test then refused its measured run).
+            inflight, self.inflight = self.inflight, None
+            self.pending_outputs += self._resolve(inflight)     # nothing: every request finished
         if self.has_unfinished_requests():
             return False
         return self.block_manager.reset_prefix_cache()

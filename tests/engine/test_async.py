@@ -388,3 +388,36 @@ def test_request_id_reused_while_old_token_in_flight(how, dense_path):
     assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids == ref[1]
     assert [lp["token"] for lp in outs[-1].logprobs] == ref[1]
     assert new.is_finished and finals["old"].token_ids == ref[0][:len(finals["old"].token_ids)]
+
+
+@pytest.mark.parametrize("how", ["stream", "generate"])
+def test_reset_prefix_cache_after_the_last_request_left_with_a_token_in_flight(how, dense_path):
+    """Async: a stream abandoned half-way (or a generate() stopped by its callback) aborts its
+    request and leaves its step in flight,
+    though no request is left to run. reset_prefix_cache() returned False there (the load test's
+    measured run then refused to start: 'the engine still has unfinished requests'), until the
+    caller stepped an idle engine. It now settles that step itself (its token is dropped, as a step
+    would drop it), forgets the cache and returns True; the prompt then computes in full."""
+    llm = make_llm(dense_path, async_scheduling=True)
+    engine = llm.engine
+    prompt = random_prompts([40], seed=36)[0]
+    first = llm.generate([prompt], greedy(ignore_eos=True))[0]
+    if how == "stream":
+        stream = llm.stream(prompt, greedy(ignore_eos=True))
+        next(stream)
+        next(stream)
+        stream.close()
+    else:
+        def stop(out):
+            if len(out.token_ids) == 2:
+                raise KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompt], greedy(ignore_eos=True), on_output=stop)
+    assert engine.inflight is not None and not engine.requests       # the case: a dead step in flight
+    assert engine.block_manager.num_cached_blocks > 0
+    assert llm.reset_prefix_cache() is True
+    assert engine.block_manager.num_cached_blocks == 0
+    assert_drained(engine)
+    cold = llm.generate([prompt], greedy(ignore_eos=True))[0]
+    assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+    assert_drained(engine)
