@@ -87,6 +87,14 @@ class LLM:
                         on_output(out)
                     if out.finished:
                         finals[out.request_id] = out
+                if len(finals) < len(ids) and not self.engine.has_unfinished_requests():
+                    # Nothing left can bring the missing final outputs: someone else's
+                    # engine.step() (the callback's, most often) took them. Stepping on would spin
+                    # on an idle engine forever.
+                    lost = [rid for rid in ids if rid not in finals]
+                    raise RuntimeError(f"generate: request {lost[0]!r} finished, but its final output was taken "
+                                       f"by another caller of engine.step() ({len(lost)} of this call's "
+                                       f"{len(ids)} requests lost so)")
         except BaseException:
             self._abandon(ids)
             raise

@@ -326,6 +326,26 @@ def test_stream_whose_final_output_another_caller_took_raises(llm, monkeypatch):
     assert_drained(engine)
 
 
+
+def test_generate_whose_final_output_another_caller_took_raises(llm, monkeypatch):
+    """The same for generate(): its callback stepping the engine itself took the final outputs of
+    generate's requests, and generate stepped an idle engine forever waiting for them. It now
+    raises once nothing left in the engine can bring them, naming the requests."""
+    engine = llm.engine
+    taken = []
+
+    def callback(out):
+        if not taken:
+            taken.extend(engine.step())
+    _fail_if_spinning(engine, monkeypatch)
+    with pytest.raises(RuntimeError, match=r"generate: request 'req-\d+' finished, but its final output was "
+                                           "taken by another caller of engine.step"):
+        llm.generate(random_prompts([4, 5], seed=23), SamplingParams(temperature=0.0, max_tokens=2,
+                                                                      ignore_eos=True), on_output=callback)
+    assert any(o.finished for o in taken)
+    drain(engine)
+    assert_drained(engine)
+
 def test_stream_stopped_early_leaves_no_output_behind(llm):
     engine = llm.engine
     stream = llm.stream(_prompt(), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
