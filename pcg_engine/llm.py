@@ -122,6 +122,7 @@ class LLM:
 
         Other requests added to the engine meanwhile keep running alongside."""
         rid = self.engine.add_request(prompt, sampling_params)
+        done = False
         try:
             while True:
                 mine, others = [], []
@@ -134,8 +135,9 @@ class LLM:
                 # among them, the other stream stepped an idle engine forever.
                 self.engine.pending_outputs[:0] = others
                 for out in mine:
+                    done = out.finished
                     yield out
-                    if out.finished:
+                    if done:
                         return
                 if self.engine.closed:   # close() dropped its request: not someone else's step()
                     raise EngineClosedError("stream")
@@ -147,7 +149,10 @@ class LLM:
                                        "taken by another caller of engine.step()")
         finally:
             # The caller stopped early: don't leak its blocks, nor leave its abort output behind.
-            self._abandon([rid])
+            # Not once its final output is out: the id is free again, and a request that the
+            # caller has added under it since is not this stream's to abort.
+            if not done:
+                self._abandon([rid])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block, so the next prompt is computed in full; False (and

@@ -358,6 +358,24 @@ def test_stream_stopped_early_leaves_no_output_behind(llm):
     assert_drained(engine)
 
 
+
+def test_stream_closed_after_its_final_output_leaves_a_new_request_under_its_id_alone(llm):
+    """A stream that has yielded its final output has nothing left to abort. Closed (or collected)
+    while suspended at that yield, it aborted whatever request held its id by then: a caller's new
+    request, added under the finished one's id, lost its run."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    stream = llm.stream(_prompt(), params)
+    out = next(stream)
+    while not out.finished:
+        out = next(stream)
+    engine.add_request(_prompt(9), params, request_id=out.request_id)     # its id, free again
+    engine.step()
+    stream.close()
+    finals = drain(engine)
+    assert finals[out.request_id].finish_reason == "length" and len(finals[out.request_id].token_ids) == 3
+    assert_drained(engine)
+
 def test_automatic_ids_skip_the_ids_callers_chose(llm):
     engine = llm.engine
     upcoming = f"req-{next(engine._ids) + 1}"          # the id the next automatic one would take
