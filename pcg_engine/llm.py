@@ -96,7 +96,9 @@ class LLM:
                                        f"by another caller of engine.step() ({len(lost)} of this call's "
                                        f"{len(ids)} requests lost so)")
         except BaseException:
-            self._abandon(ids)
+            # Not those that finished: their ids are free again, and a request added under one
+            # since (by the callback) is not this call's to abort.
+            self._abandon([rid for rid in ids if rid not in finals])
             raise
         finally:
             # Other requests' outputs stay with the engine: its next step() returns them first.

@@ -61,3 +61,24 @@ def test_interrupted_generate_keeps_the_outputs_of_other_requests(llm):
     assert "other" in finals, "the other request's final output was lost"
     assert finals["other"].finish_reason == "length" and len(finals["other"].token_ids) == 1
     assert_drained(engine)
+
+
+def test_interrupted_generate_leaves_a_new_request_under_a_finished_id_alone(llm):
+    """Only generate's unfinished requests are aborted: one of its requests that has finished frees
+    its id, and a request the callback added under that id since is the callback's. It was aborted
+    with generate's, and its final output dropped."""
+    engine = llm.engine
+    short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    reused = []
+
+    def on_output(out):
+        if reused:
+            raise Stop("stop")        # the next output of generate's other request
+        if out.finished:
+            engine.add_request(PROMPTS[2], short, request_id=out.request_id)   # the finished one's id
+            reused.append(out.request_id)
+    with pytest.raises(Stop):
+        llm.generate(PROMPTS[:2], [short, PARAMS], on_output=on_output)
+    finals = drain(engine)
+    assert finals[reused[0]].finish_reason == "length", "the callback's request was aborted"
+    assert_drained(engine)
