@@ -34,7 +34,7 @@ class RequestOutput(metaclass=ABCMeta):
     token: {"token": id, "logprob": x, "top": [(id, x), ...]}), prompt, error.
     """
 
-    __slots__ = ("text", "finished", "new_token_ids", "new_text", "logprobs", "_request", "_end", "_token_ids",
+    __slots__ = ("text", "finished", "new_token_ids", "new_text", "_logprobs", "_request", "_end", "_token_ids",
                  "_metrics")
     # (ABCMeta only so that DecodeOutput, a tuple for speed, can be registered as one.)
     prompt = None     # set by front ends that keep the prompt text; the engine works on token ids
@@ -43,7 +43,8 @@ class RequestOutput(metaclass=ABCMeta):
     def __init__(self, request, end: int, text: str, finished: bool, new_token_ids: list[int],
                  new_text: str = "", logprobs: list[dict] | None = None):
         self.text, self.finished = text, finished
-        self.new_token_ids, self.new_text, self.logprobs = new_token_ids, new_text, logprobs
+        # The engine's list of the request's logprobs, which grows after this step: read as a prefix.
+        self.new_token_ids, self.new_text, self._logprobs = new_token_ids, new_text, logprobs
         self._request, self._end = request, end     # _token_ids and _metrics: set when first read
 
     @property
@@ -69,6 +70,15 @@ class RequestOutput(metaclass=ABCMeta):
         except AttributeError:
             self._token_ids = self._request.token_ids[len(self._request.prompt_token_ids):self._end]
             return self._token_ids
+
+    @property
+    def logprobs(self) -> list[dict] | None:
+        """This step's snapshot, like token_ids: one entry per output token so far. (The engine's
+        list itself, read after later steps, held their entries too.)"""
+        lps = self._logprobs
+        if lps is None or self.finished:        # a finished request's list grows no more
+            return lps
+        return lps[:self._end - len(self._request.prompt_token_ids)]
 
     @property
     def metrics(self) -> RequestMetrics:

@@ -363,6 +363,21 @@ TEXTS = [
 ]
 
 
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_streamed_outputs_keep_the_logprobs_of_their_step(engines, async_scheduling):
+    """An output is a snapshot of its step: its logprobs, like its token_ids, stop at that step.
+    They were the engine's live list, so every streamed output read after the request finished
+    held the logprobs of all its tokens (output k: k+1 token ids, max_tokens logprobs)."""
+    llm = engines("tiny-qwen3", async_scheduling=async_scheduling)
+    outs = list(llm.stream(random_prompts([5], seed=13)[0], greedy(5, ignore_eos=True, logprobs=1)))
+    assert len(outs) == 5
+    assert [len(o.logprobs) for o in outs] == [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5]
+    for o in outs:
+        assert [lp["token"] for lp in o.logprobs] == o.token_ids
+        assert o.logprobs == outs[-1].logprobs[:len(o.token_ids)]
+    assert_drained(llm.engine)
+
 @pytest.fixture(scope="module")
 def tokenizer(dense_path):
     from pcg_engine.engine.tokenizer import load_tokenizer
