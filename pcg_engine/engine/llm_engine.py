@@ -215,6 +215,14 @@ class LLMEngine:
                 prompt_token_ids = prompt.tolist()     # a numpy array or tensor of ids (floats stay floats: refused)
             else:
                 raise InvalidRequestError("prompt", f"expected a string or a list of token ids, got {type(prompt).__name__}")
+        elif getattr(prompt_token_ids, "ndim", None) == 1 and hasattr(prompt_token_ids, "tolist"):
+            prompt_token_ids = prompt_token_ids.tolist()
+        elif not isinstance(prompt_token_ids, (list, tuple)):
+            # What prompt= takes as ids, no more: list() took a dict's keys and a set in hash
+            # order, read a string as a list of text prompts, and raised a bare TypeError on an int.
+            hint = "; give text as prompt" if isinstance(prompt_token_ids, str) else ""
+            raise InvalidRequestError("prompt_token_ids", "must be a list of token ids (or a 1-D array or tensor), "
+                                      f"got {type(prompt_token_ids).__name__}{hint}")
         ids = list(prompt_token_ids)
         if not ids:
             raise InvalidRequestError("prompt_token_ids", "is empty; a request needs at least 1 token")

@@ -104,6 +104,17 @@ CASES = [
     # not an integer".
     ("text-list", lambda e: e.add_request(["a", "b"], None), "prompt", r"is a list of 2 strings; one request takes one prompt"),
     ("prompt-and-ids", lambda e: e.add_request("hi", None, prompt_token_ids=[5, 6]), "prompt", r"not both"),
+    # Found by probing: prompt_token_ids= took any iterable (a dict's keys, a set in hash order),
+    # raised a bare TypeError for an int, and read a string as a list of text prompts.
+    ("ids-kw-int", lambda e: e.add_request(prompt_token_ids=5), "prompt_token_ids",
+     r"must be a list of token ids .*got int"),
+    ("ids-kw-dict", lambda e: e.add_request(prompt_token_ids={5: 6}), "prompt_token_ids",
+     r"must be a list of token ids .*got dict"),
+    ("ids-kw-set", lambda e: e.add_request(prompt_token_ids={5, 6}), "prompt_token_ids",
+     r"must be a list of token ids .*got set"),
+    ("ids-kw-str", lambda e: e.add_request(prompt_token_ids="56"), "prompt_token_ids",
+     r"must be a list of token ids .*got str; give text as prompt"),
+    ("ids-kw-2d", lambda e: e.add_request(prompt_token_ids=[[5, 6]]), "prompt_token_ids", r"position 0 is not an integer"),
     ("final-only-not-bool", lambda e: e.add_request(_prompt(), None, final_only="no"), "final_only", r"true or false"),
     ("arrival-time-str", lambda e: e.add_request(_prompt(), None, arrival_time="now"), "arrival_time",
      r"finite time.monotonic\(\) value"),
