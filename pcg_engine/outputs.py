@@ -53,7 +53,9 @@ class RequestOutput(metaclass=ABCMeta):
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self._request.prompt_token_ids
+        # A copy: the request's own list, changed in place by a caller (ctx = out.prompt_token_ids;
+        # ctx += out.token_ids), lengthened the running request's prompt and ran it past max_tokens.
+        return list(self._request.prompt_token_ids)
 
     @property
     def finish_reason(self) -> str | None:
@@ -115,7 +117,7 @@ class DecodeOutput(tuple):
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self[0].prompt_token_ids
+        return list(self[0].prompt_token_ids)      # a copy, as RequestOutput's
 
     @property
     def new_token_ids(self) -> list[int]:

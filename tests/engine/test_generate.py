@@ -364,6 +364,24 @@ TEXTS = [
 
 
 
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_changing_an_outputs_prompt_leaves_the_request_alone(engines, async_scheduling):
+    """out.prompt_token_ids was the running request's own list: a stream consumer building its next
+    prompt in place (ctx = out.prompt_token_ids; ctx += out.token_ids) lengthened the request's
+    prompt, so it ran past max_tokens and its outputs were cut at the wrong place."""
+    llm = engines("tiny-qwen3", async_scheduling=async_scheduling)
+    prompt = random_prompts([6], seed=14)[0]
+    want = llm.generate([prompt], greedy(4, ignore_eos=True))[0].token_ids
+    outs = []
+    for out in llm.stream(prompt, greedy(4, ignore_eos=True)):
+        ctx = out.prompt_token_ids
+        ctx += out.token_ids
+        outs.append(out)
+    assert len(outs) == 4 and outs[-1].token_ids == want
+    assert all(o.prompt_token_ids == prompt for o in outs)
+    assert_drained(llm.engine)
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_streamed_outputs_keep_the_logprobs_of_their_step(engines, async_scheduling):
     """An output is a snapshot of its step: its logprobs, like its token_ids, stop at that step.
