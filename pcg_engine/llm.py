@@ -87,7 +87,8 @@ class LLM:
                         on_output(out)
                     if out.finished:
                         finals[out.request_id] = out
-                if len(finals) < len(ids) and not self.engine.has_unfinished_requests():
+                if (len(finals) < len(ids) and not self.engine.has_unfinished_requests()
+                        and not self.engine.closed):    # closed: the next step() says so
                     # Nothing left can bring the missing final outputs: someone else's
                     # engine.step() (the callback's, most often) took them. Stepping on would spin
                     # on an idle engine forever.

@@ -265,6 +265,16 @@ def test_a_stream_and_an_abort_after_close_name_the_closed_engine(tiny_paths, as
         llm.engine.abort_request(rid)
     stream.close()
 
+
+def test_close_in_a_generate_callback_names_the_closed_engine(tiny_paths):
+    """The callback closing the engine: generate raises EngineClosedError, not that another caller
+    of engine.step() took its outputs."""
+    from engine_helpers import make_llm
+    from pcg_engine.errors import EngineClosedError
+    llm = make_llm(tiny_paths["tiny-qwen3"])
+    with pytest.raises(EngineClosedError, match="step: the engine is closed"):
+        llm.generate([[5, 6, 7], [8, 9]], {"max_tokens": 4}, on_output=lambda out: llm.close())
+
 def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     from pcg_engine import cli
 
