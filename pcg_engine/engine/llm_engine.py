@@ -82,6 +82,9 @@ class LLMEngine:
         self.readback = TokenReadback(config.max_num_seqs, self.device)
         self.async_scheduling = config.resolved_async(self.device.type)
         self.inflight: Inflight | None = None
+        # Launched steps whose read-back an exception (Ctrl-C in the wait) stopped: the next step
+        # reads them, in launch order, before planning anything (see step()).
+        self.unresolved: list[Inflight] = []
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -260,6 +263,7 @@ class LLMEngine:
         cannot be used afterwards (add_request and step raise EngineClosedError)."""
         self.closed = True
         self.inflight = None
+        self.unresolved = []
         self.requests.clear()
         self.pending_outputs = []
         self.sampling = None
@@ -267,7 +271,8 @@ class LLMEngine:
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or self.inflight is not None or bool(self.pending_outputs)
+        return (bool(self.requests) or self.inflight is not None or bool(self.pending_outputs)
+                or bool(self.unresolved))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (BlockManager.reset_prefix_cache), so the next request
@@ -275,7 +280,7 @@ class LLMEngine:
         idle engine; returns False, changing nothing, while a request is unfinished."""
         if self.closed:
             raise EngineClosedError("reset_prefix_cache")
-        if self.inflight is not None and not self.requests and not self.pending_outputs:
+        if self.inflight is not None and not self.requests and not self.pending_outputs and not self.unresolved:
             # Async: a step still in flight whose requests have all gone (an abandoned stream, an
             # interrupted generate() abort theirs and do not step). Nothing of it is left to read:
             # settle it here, dropping its tokens as a step would, rather than answer False on an
@@ -291,6 +296,8 @@ class LLMEngine:
         """Run one engine step; returns outputs of requests that got tokens or finished."""
         if self.closed:
             raise EngineClosedError("step")
+        if self.unresolved:
+            return self._resolve_interrupted()
         t0 = time.perf_counter()
         wait0 = self.stats.sync_wait_s
         plan = self.scheduler.schedule()
@@ -300,13 +307,39 @@ class LLMEngine:
         self._release_preempted(plan.preempted)
         launched = self._launch(plan) if not plan.is_empty else None
         outputs, self.pending_outputs = self.pending_outputs, []
-        if self.async_scheduling:
-            if self.inflight is not None:
-                outputs += self._resolve(self.inflight)
-            self.inflight = launched
-        elif launched is not None:
-            outputs += self._resolve(launched)
+        try:
+            if self.async_scheduling:
+                if self.inflight is not None:
+                    outputs += self._resolve(self.inflight)
+                self.inflight = launched
+            elif launched is not None:
+                outputs += self._resolve(launched)
+        except BaseException:
+            # Stopped while reading tokens back (Ctrl-C in the wait, under generate() or stream()):
+            # the launched steps were lost with this frame, and every request in them kept a
+            # placeholder that no step would resolve: a request another caller had added ran on
+            # with it (its output carried the placeholder) or never finished. Keep them for the
+            # next step, and the outputs this one took.
+            self.unresolved = [s for s in (self.inflight if self.async_scheduling else None, launched)
+                               if s is not None]
+            self.inflight = None
+            self.pending_outputs[:0] = outputs
+            raise
         self.stats.host_s += time.perf_counter() - t0 - (self.stats.sync_wait_s - wait0)
+        return outputs
+
+    def _resolve_interrupted(self) -> list[RequestOutput]:
+        """The step after one stopped in its read-back: read the steps it launched, oldest first
+        (their tokens are the inputs of what follows), and plan nothing; the next step goes on."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        while self.unresolved:
+            try:
+                resolved = self._resolve(self.unresolved[0])
+            except BaseException:
+                self.pending_outputs[:0] = outputs
+                raise
+            del self.unresolved[0]
+            outputs += resolved
         return outputs
 
     def _release_preempted(self, victims) -> None:

@@ -82,3 +82,32 @@ def test_interrupted_generate_leaves_a_new_request_under_a_finished_id_alone(llm
     finals = drain(engine)
     assert finals[reused[0]].finish_reason == "length", "the callback's request was aborted"
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_ctrl_c_in_the_read_back_wait_leaves_other_requests_whole(llm, at, monkeypatch):
+    """Ctrl-C during generate() lands most often in a step's one host sync, the token read-back.
+    The step launched then was lost with the step's frame, and the requests in it kept a placeholder
+    no step would resolve: a request another caller had added never finished (sync), or streamed
+    the placeholder as a token (async). The next step now reads that step back first."""
+    engine = llm.engine
+    other = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(PROMPTS, other)]
+    engine.add_request(PROMPTS[1], other, request_id="other")
+    readback, calls = engine.readback, []
+    for name in ("wait", "wait_array"):
+        real = getattr(readback, name)
+
+        def wait(*args, _real=real):
+            calls.append(1)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+            return _real(*args)
+        monkeypatch.setattr(readback, name, wait)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPTS[0], PROMPTS[2]], other)
+    finals = drain(engine)
+    assert finals["other"].token_ids == want[1]
+    assert_drained(engine)
+    assert [o.token_ids for o in llm.generate(PROMPTS, other)] == want
+    assert_drained(engine)
