@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pcg_engine.bench.common import graph_of_calls, replay_us  # noqa: E402
 from pcg_engine.kernels import l2_prefetch, split_k  # noqa: E402
 
 LAYERS = 36
@@ -99,24 +100,8 @@ def run_layers(layers, xs, variant, cycles_per_us, side):
 
 def time_variant(layers, xs, variant, cycles_per_us, reps=20) -> float:
     side = torch.cuda.Stream()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run_layers(layers, xs, variant, cycles_per_us, side)   # compile / workspaces outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_layers(layers, xs, variant, cycles_per_us, side)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(layers))
+    graph = graph_of_calls(lambda _: run_layers(layers, xs, variant, cycles_per_us, side), 1)
+    return replay_us(graph, reps) / len(layers)
 
 
 def main():

@@ -25,18 +25,7 @@ from collections import Counter
 
 import torch
 
-
-def replay_us(graph, replays: int) -> float:
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / replays
+from pcg_engine.bench.common import replay_us
 
 
 def recapture(graphs, bucket: int, warmups: int, dump: str | None):

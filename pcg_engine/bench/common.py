@@ -482,3 +482,18 @@ def graph_of_calls(fn, calls: int):
     for _ in range(3):
         graph.replay()
     return graph
+
+
+def replay_us(graph, replays: int) -> float:
+    """Mean GPU µs of one replay of a captured graph, over `replays` back to back after 20 warm ones."""
+    import torch
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / replays
