@@ -74,8 +74,13 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
+    # Completions per prompt. Only 1: a client written for engines that sample several (n=4) gets a
+    # refusal naming the field instead of a TypeError, or one completion where it asked for four.
+    n: int = 1
 
     def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n, 1, 1, "equal to 1 (one completion per request: add the prompt n "
+                            "times, with different seeds, for n samples)")
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
         self.temperature = _check_float("temperature", self.temperature,
                                         lambda v: 0 <= v <= MAX_TEMPERATURE,

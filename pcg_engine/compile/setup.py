@@ -40,8 +40,7 @@ FULL_MODES = BUCKET_MODES["decode_buckets"]        # ("full_decode", "full_and_p
 def token_buckets_for(runner) -> list[int]:
     config = runner.config
     # No step holds more than max_num_batched_tokens tokens (the scheduler's budget; a decode costs
-    # one): runner.max_num_tokens, max(budget, max_num_seqs), sizes buffers, and buckets up to it
-    # above the budget were captured and never replayed.
+    # one): buckets above it were captured and never replayed.
     limit = config.max_num_batched_tokens
     # In full_and_piecewise, decode-only steps replay full graphs: the piecewise buckets serve only
     # prefill and mixed steps, and a sparser list captures a third of the graphs (config.sparse_buckets).

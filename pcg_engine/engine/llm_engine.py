@@ -251,7 +251,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         if self.closed:     # close() dropped every request: not "not a request of this engine"
             raise EngineClosedError("abort_request")
-        request = self.requests.get(str(request_id))
+        if not isinstance(request_id, str):
+            # add_request takes string ids only: str(5) would abort a request named "5".
+            raise InvalidRequestError("request_id", f"must be a string (an id add_request returned), "
+                                      f"got {request_id!r}")
+        request = self.requests.get(request_id)
         if request is None:
             raise InvalidRequestError("request_id", f"{request_id!r} is not an unfinished request of this engine")
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)

@@ -97,7 +97,10 @@ class ModelRunner:
         self.backend = make_backend(config.resolved_attention_backend(device.type), num_heads=self.num_heads,
                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                     block_size=self.block_size, cos_sin=self.cos_sin)
-        self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        # The scheduler gives no step more than its token budget (a decode costs one token of it),
+        # and buckets stop there too (compile/setup.py): the buffers, the KV sizing forward and the
+        # kernel warm-up need no more. (max(budget, max_num_seqs) sized them for steps that never run.)
+        self.max_num_tokens = config.max_num_batched_tokens
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.max_num_tokens,
                                 device, host_metadata=self.backend.name != "triton")   # torch_backend.py reads them
         self.forward_fn = self.model.forward     # the mode's set-up may replace these three

@@ -246,6 +246,18 @@ def test_abort_in_flight_frees_everything(llm, baseline):
     assert_drained(engine)
 
 
+def test_abort_with_a_non_string_id_aborts_nothing(llm, baseline):
+    """abort_request(5) is refused by field: it used to look up str(5), aborting a request named "5"."""
+    engine = llm.engine
+    engine.add_request(_prompt(), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), request_id="5")
+    with pytest.raises(InvalidRequestError, match="must be a string") as info:
+        engine.abort_request(5)
+    assert info.value.field == "request_id"
+    finals = drain(engine)
+    assert finals["5"].finish_reason == "length" and len(finals["5"].token_ids) == 4
+    assert_drained(engine)
+
+
 def test_a_request_that_fails_to_set_up_is_not_queued(llm, monkeypatch):
     """add_request builds the detokenizer (which loads the tokenizer) and the seed's generator
     before queueing: a failure there leaves nothing in the engine (it used to leave the request

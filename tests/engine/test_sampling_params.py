@@ -40,6 +40,7 @@ BAD = [
     ("truncate_prompt_tokens", 0, ">= 1"), ("truncate_prompt_tokens", -5, ">= 1"),
     ("truncate_prompt_tokens", 3.0, ">= 1"),
     ("skip_special_tokens", "true", "true or false"),
+    ("n", 2, "equal to 1"), ("n", 0, "equal to 1"), ("n", 1.0, "equal to 1"),
 ]
 
 
