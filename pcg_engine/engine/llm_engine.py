@@ -450,7 +450,13 @@ class LLMEngine:
 
     def _book_tail(self, request: Request, index: int, token: int, detok) -> RequestOutput | None:
         """The per-request booking of a resolved token: text, stop checks, finishing, output."""
-        delta = detok.add(token) if detok is not None else ""
+        # A token that stops the request (EOS, stop_token_ids: stop_token_set, once min_tokens is
+        # reached) is left out of the text, as a stop string is and as vLLM leaves it out
+        # (include_stop_str_in_output=False): its text (" s", or "<|im_end|>" when special tokens
+        # are kept) ended the output.
+        stops = (token in request.stop_token_set
+                 and index + 1 - len(request.prompt_token_ids) >= request.sampling_params.min_tokens)
+        delta = detok.add(token) if detok is not None and not stops else ""
         status, reason = self._check_stop(request, index, token, detok)
         if status is not None:
             request.truncate(index + 1)   # drop the next step's speculative placeholder, if any

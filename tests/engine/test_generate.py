@@ -188,6 +188,38 @@ def test_stop_token_ids(engines, plain_run):
     assert_drained(llm.engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stop_token_text_is_left_out(engines, plain_run, eos_checkpoint, async_scheduling):
+    """A stop token (stop_token_ids, EOS) ends the output but its text is not in it, as vLLM's
+    detokenizer leaves it out (include_stop_str_in_output=False skips the stop-terminated token)
+    and as a stop string is left out. Reference: the text of the same tokens without the stop
+    token, ended by max_tokens; streamed deltas add up to it too."""
+    prompts, refs, _ = plain_run
+    tokenizer = engines("tiny-qwen3").tokenizer
+    cases = []       # (checkpoint, prompt, params, output length with the stop token)
+    for prompt, ref in zip(prompts, refs):
+        for k in (1, 5, len(ref) - 1):
+            if ref.index(ref[k]) == k and tokenizer.decode([ref[k]]):  # a first occurrence with text
+                cases.append((None, prompt, greedy(24, ignore_eos=True, stop_token_ids=[ref[k]]), k + 1))
+    eos = refs[1][6]
+    cases.append((eos_checkpoint(eos), prompts[1], greedy(24, skip_special_tokens=False), refs[1].index(eos) + 1))
+    assert len(cases) >= 4
+    for path, prompt, params, n in cases:
+        llm = (engines("tiny-qwen3", async_scheduling=async_scheduling) if path is None
+               else make_llm(path, async_scheduling=async_scheduling))
+        out = llm.generate([prompt], params)[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) == n
+        without = llm.generate([prompt], greedy(n - 1, ignore_eos=True))[0] if n > 1 else None
+        want = without.text if without is not None else ""
+        assert without is None or without.token_ids == out.token_ids[:-1]
+        assert out.text == want, (tokenizer.decode([out.token_ids[-1]]), out.text, want)
+        assert "".join(o.new_text for o in llm.stream(prompt, params)) == want
+        drain(llm.engine)          # async: the stream returns with the step after its stop in flight
+        assert_drained(llm.engine)
+        if path is not None:
+            llm.close()
+
+
 def test_stop_token_ids_respect_min_tokens(engines, plain_run):
     llm = engines("tiny-qwen3")
     prompts, refs, _ = plain_run
