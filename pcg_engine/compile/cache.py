@@ -13,7 +13,7 @@ directories other users could tamper with.
   <root>/<key>/trace-kv<N>x<B>.bin   a saved trace, one per KV-cache shape: N blocks of B tokens (saved_trace.py)
   <root>/<key>/manifest.json   sha256 and size of every file, written last and atomically
 
-key = sha256(model config, sha256 of pcg_engine/**/*.py, torch/triton/python versions, device,
+key = sha256(model config, sha256 of pcg_engine/**/*.py as imported, torch/triton/python versions, device,
 dtype, buckets, mode, fuse/kernels, saved trace on/off, the PCG_* and TORCHINDUCTOR_* settings). At
 start an entry with no manifest (an interrupted build), a manifest for other fields, a missing,
 changed or unlisted file is deleted and rebuilt, never used.
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
+from pcg_engine import _sources
 from pcg_engine.compile import saved_trace
 from pcg_engine.errors import PcgError
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-_SOURCE_ROOT = Path(__file__).resolve().parents[1]   # the pcg_engine package
 
 
 class CompileCacheError(PcgError, PermissionError):
@@ -52,15 +52,12 @@ def default_cache_root() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def source_hash(root: Path = _SOURCE_ROOT) -> str:
-    """Once per process: the code that runs is what was imported, not what the files say later."""
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        if "__pycache__" in path.parts:
-            continue
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
+def source_hash() -> str:
+    """Once per process: the sources as imported (pcg_engine/_sources.py). Files edited since then
+    (the lazily imported modules, this one included, may run the edit) give a key of both hashes,
+    which no process that imported either tree alone shares."""
+    now = _sources.digest()
+    return now if now == _sources.AT_IMPORT else f"{_sources.AT_IMPORT}+{now}"
 
 
 def _versions() -> dict:

@@ -3,12 +3,15 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
 from compile_helpers import make_runner, run_workload
+import pcg_engine
 from pcg_engine.compile import saved_trace
 from pcg_engine.compile.cache import MANIFEST, CompileCache, CompileCacheError, default_cache_root
 
@@ -165,6 +168,29 @@ def test_refuses_dir_owned_by_another_user(tmp_path):
     os.chown(root, 65534, 65534)
     with pytest.raises(CompileCacheError, match=r"theirs.*owned by uid 65534"):
         CompileCache(root, FIELDS).open()
+
+
+def test_sources_edited_after_import_are_not_keyed_as_the_edit(tmp_path):
+    """The key's source hash is the code the process imported. It was hashed at the first engine's
+    start: a file edited after the import (a notebook's kernel kept alive, a `git pull` under a
+    running process) keyed the old code's compiled forward under the new sources' hash, and every
+    later process running the new code loaded it."""
+    src = tmp_path / "src"
+    shutil.copytree(os.path.dirname(pcg_engine.__file__), src / "pcg_engine",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    edit = ("import pcg_engine.llm, pathlib; p = pathlib.Path(pcg_engine.__file__).parent / 'models' / 'qwen3.py'; "
+            f"assert p.is_relative_to({str(src)!r}), p; "      # the copy, never the project's own file
+            "p.write_text(p.read_text() + '# edited\\n'); ")
+    key = "from pcg_engine.compile import cache; print(cache.source_hash())"
+
+    def run(code):
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        return subprocess.run([sys.executable, "-c", code], env=env, cwd=src, check=True, capture_output=True,
+                              text=True).stdout.strip()
+    edited_meanwhile = run(edit + key)     # runs the old qwen3.py
+    fresh = run(key)                       # a later process: runs the edited one
+    assert edited_meanwhile != fresh
+    assert run(key) == fresh               # and processes of one tree still share entries
 
 
 def test_default_root():
