@@ -175,6 +175,12 @@ class CompileCache:
             except OSError as e:   # a path under a file, a read-only place
                 raise CompileCacheError(f"cannot create {self.root}: {e.strerror or e}; choose another directory "
                                         "(or compile_cache=False)") from None
+        # From here on the directory's real path, checked again: a symlink on the way (one in a
+        # sticky /tmp is its creator's to replace) could otherwise be pointed elsewhere after the
+        # checks, and Inductor and the saved trace would load from there.
+        self.root = Path(os.path.realpath(self.root))
+        self.entry = self.root / self.key
+        check_parents(self.root)
         check_private(self.root)
         try:
             self._lock()

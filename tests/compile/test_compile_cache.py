@@ -143,6 +143,29 @@ def test_refuses_dir_under_a_world_writable_parent(tmp_path):
         CompileCache(shared / "cache", FIELDS).open()
 
 
+def test_symlinked_cache_dir_is_used_through_its_target(tmp_path):
+    """A cache directory reached through a symlink in a sticky shared directory (/tmp): whoever made
+    the link may replace it at any time. Before, the checks passed on the link's first target (a
+    private directory of this user) and Inductor and the saved trace then read the entry through
+    the link, from wherever it pointed by then. Now the cache uses the real path it checked."""
+    shared, mine, theirs = tmp_path / "shared", tmp_path / "mine", tmp_path / "theirs"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    mine.mkdir(mode=0o700)
+    theirs.mkdir(mode=0o700)
+    link = shared / "cache"
+    link.symlink_to(mine)
+    cache = CompileCache(link, FIELDS)
+    assert cache.open() == "miss"
+    link.unlink()
+    link.symlink_to(theirs)               # swapped after the checks
+    with cache.activate():
+        assert os.path.realpath(os.environ["TORCHINDUCTOR_CACHE_DIR"]) == str(mine / cache.key / "inductor")
+    cache.commit()
+    cache.close()
+    assert (mine / cache.key / MANIFEST).exists() and list(theirs.iterdir()) == []
+
+
 def test_unwritable_cache_dir_is_named_as_the_config_field(tmp_path, monkeypatch):
     """A cache directory this user cannot write (chmod 500, a read-only mount): a PcgError naming
     compile_cache_dir and the directory (a bare PermissionError on the key's lock file before)."""
