@@ -16,7 +16,7 @@ directories other users could tamper with.
 key = sha256(model config, sha256 of pcg_engine/**/*.py as imported, torch/triton/python versions, device,
 dtype, buckets, mode, fuse/kernels, saved trace on/off, the PCG_* and TORCHINDUCTOR_* settings). At
 start an entry with no manifest (an interrupted build), a manifest for other fields, a missing,
-changed or unlisted file is deleted and rebuilt, never used.
+changed or unlisted file is deleted and rebuilt, never used, with a warning that says why.
 """
 
 import contextlib
@@ -27,6 +27,7 @@ import os
 import platform
 import shutil
 import stat
+import warnings
 from pathlib import Path
 
 import torch
@@ -206,6 +207,9 @@ class CompileCache:
                 self.state = "hit"
                 return self.state
             self.rejected = problem
+            # Said, not only counted (timings' compile_cache_rebuilt): a start that was to be warm
+            # compiles for minutes, and a damaged cache is worth knowing about.
+            warnings.warn(f"compile cache entry {self.entry} not used ({problem}): deleted, compiling afresh")
             shutil.rmtree(self.entry)
         os.makedirs(self.entry, mode=0o700)
         os.chmod(self.entry, 0o700)

@@ -140,3 +140,6 @@ def test_startup_line_parts():
                                 "hit), capture 1.7 s, graph pool 190 MiB")
     assert "(compile cache off)" in _startup_line(dict(t, compile_cache_hit=0.0), compile_cache=False)
     assert "(compiled; cached for the next start)" in _startup_line(dict(t, compile_cache_hit=0.0))
+    # a damaged entry, deleted and compiled again, is not reported as a first start
+    assert "(compile cache entry was bad: rebuilt" in _startup_line(dict(t, compile_cache_hit=0.0,
+                                                                          compile_cache_rebuilt=1.0))
