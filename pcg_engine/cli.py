@@ -241,6 +241,8 @@ def _startup_line(timings: dict, compile_cache: bool = True) -> str:
             1.0: " (compile cache hit)", 0.0: " (compiled; cached for the next start)"}.get(timings.get("compile_cache_hit"), "")
         if compile_cache and timings.get("compile_cache_rebuilt"):   # a bad entry: it read as a first start
             cache = " (compile cache entry was bad: rebuilt, cached for the next start)"
+        if compile_cache and timings.get("compile_cache_unwritable"):   # compile/setup.py warned why
+            cache = " (compile cache directory not writable: not cached)"
         parts += [f"Dynamo {timings['dynamo_s']:.1f} s", f"Inductor {timings.get('inductor_s', 0.0):.1f} s{cache}"]
     if timings.get("capture_s"):
         parts.append(f"capture {timings['capture_s']:.1f} s")

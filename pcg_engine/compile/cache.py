@@ -20,6 +20,7 @@ changed or unlisted file is deleted and rebuilt, never used, with a warning that
 """
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -43,9 +44,15 @@ FORMAT = 1
 class CompileCacheError(PcgError, PermissionError):
     """The compile cache's directory cannot be used (EngineConfig.compile_cache_dir)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, unwritable: bool = False):
         self.field = "compile_cache_dir"
+        # This user may not write there (a read-only mount, chmod 500): the set-up then starts
+        # without the cache instead (setup.py). A directory others could write is refused.
+        self.unwritable = unwritable
         super().__init__(f"compile_cache_dir: {message}")
+
+
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def default_cache_root() -> Path:
@@ -175,7 +182,7 @@ class CompileCache:
                 os.chmod(self.root, 0o700)   # makedirs' mode is masked by the umask
             except OSError as e:   # a path under a file, a read-only place
                 raise CompileCacheError(f"cannot create {self.root}: {e.strerror or e}; choose another directory "
-                                        "(or compile_cache=False)") from None
+                                        "(or compile_cache=False)", unwritable=e.errno in _UNWRITABLE) from None
         # From here on the directory's real path, checked again: a symlink on the way (one in a
         # sticky /tmp is its creator's to replace) could otherwise be pointed elsewhere after the
         # checks, and Inductor and the saved trace would load from there.
@@ -194,7 +201,8 @@ class CompileCache:
             # lock file or the entry: say which setting is at fault, not a bare PermissionError.
             self.close()
             raise CompileCacheError(f"cannot write {e.filename or self.root}: {e.strerror or e}; make "
-                                    f"{self.root} writable, choose another directory (or compile_cache=False)") from e
+                                    f"{self.root} writable, choose another directory (or compile_cache=False)",
+                                    unwritable=e.errno in _UNWRITABLE) from e
         except BaseException:
             self.close()
             raise

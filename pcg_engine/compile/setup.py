@@ -19,6 +19,7 @@ is captured largest first into one shared pool: the piecewise graphs, then the f
 
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +27,8 @@ import torch
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.compile import saved_trace
-from pcg_engine.compile.cache import (CompileCache, cache_fields, inductor_cache_counters, no_cache)
+from pcg_engine.compile.cache import (CompileCache, CompileCacheError, cache_fields, inductor_cache_counters,
+                                      no_cache)
 from pcg_engine.compile.cuda_graph import GraphPool
 from pcg_engine.compile.full_graph import FullDecodeGraphs, default_decode_buckets
 from pcg_engine.compile.piecewise import MIN_TRACED_TOKENS, CompiledForward
@@ -100,16 +102,29 @@ def capture_piecewise(runner, forward: CompiledForward, buckets, progress=None) 
     return time.perf_counter() - t0
 
 
+def _without_cache(runner):
+    runner.timings["compile_cache_hit"] = 0.0
+    # Inductor's and Triton's directories for this start (cache.no_cache): mkdtemp makes it
+    # 0700. Removed with the runner (or at exit), not when the set-up ends: compiles begun
+    # meanwhile in precompile's threads may still write to it.
+    runner.compile_scratch = tempfile.TemporaryDirectory(prefix="pcg-compile-")
+    return None, no_cache(Path(runner.compile_scratch.name))
+
+
 def _open_cache(runner, buckets, decode_buckets):
     if not runner.config.compile_cache:
-        runner.timings["compile_cache_hit"] = 0.0
-        # Inductor's and Triton's directories for this start (cache.no_cache): mkdtemp makes it
-        # 0700. Removed with the runner (or at exit), not when the set-up ends: compiles begun
-        # meanwhile in precompile's threads may still write to it.
-        runner.compile_scratch = tempfile.TemporaryDirectory(prefix="pcg-compile-")
-        return None, no_cache(Path(runner.compile_scratch.name))
+        return _without_cache(runner)
     cache = CompileCache(runner.config.compile_cache_dir, cache_fields(runner, buckets, decode_buckets))
-    state = cache.open()
+    try:
+        state = cache.open()
+    except CompileCacheError as e:
+        if not e.unwritable:      # a directory others could write, a file: refused, the start stops
+            raise
+        # The cache only saves time: a directory this user cannot write (a read-only mount) does
+        # not stop the start, which compiles as with compile_cache=False and says so.
+        warnings.warn(f"{e}; starting without the compile cache (nothing saved)")
+        runner.timings["compile_cache_unwritable"] = 1.0
+        return _without_cache(runner)
     runner.timings["compile_cache_hit"] = 1.0 if state == "hit" else 0.0
     runner.timings["compile_cache_rebuilt"] = 1.0 if cache.rejected else 0.0
     runner.compile_cache = cache

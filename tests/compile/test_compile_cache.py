@@ -168,10 +168,7 @@ def test_symlinked_cache_dir_is_used_through_its_target(tmp_path):
     assert (mine / cache.key / MANIFEST).exists() and list(theirs.iterdir()) == []
 
 
-def test_unwritable_cache_dir_is_named_as_the_config_field(tmp_path, monkeypatch):
-    """A cache directory this user cannot write (chmod 500, a read-only mount): a PcgError naming
-    compile_cache_dir and the directory (a bare PermissionError on the key's lock file before)."""
-    root = tmp_path / "ro"
+def _read_only_dir(root, monkeypatch):
     root.mkdir(mode=0o700)
     os.chmod(root, 0o500)
     if os.geteuid() == 0:      # root writes through a chmod: what the kernel tells anyone else, emulated
@@ -182,8 +179,16 @@ def test_unwritable_cache_dir_is_named_as_the_config_field(tmp_path, monkeypatch
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path, flags, *args, **kwargs)
         monkeypatch.setattr(os, "open", open_read_only)
-    with pytest.raises(CompileCacheError, match=r"^compile_cache_dir: cannot write .*ro.*Permission denied"):
+
+
+def test_unwritable_cache_dir_is_named_as_the_config_field(tmp_path, monkeypatch):
+    """A cache directory this user cannot write (chmod 500, a read-only mount): a PcgError naming
+    compile_cache_dir and the directory (a bare PermissionError on the key's lock file before)."""
+    root = tmp_path / "ro"
+    _read_only_dir(root, monkeypatch)
+    with pytest.raises(CompileCacheError, match=r"^compile_cache_dir: cannot write .*ro.*Permission denied") as info:
         CompileCache(root, FIELDS).open()
+    assert info.value.unwritable
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to chown")
@@ -436,6 +441,19 @@ def test_cache_disabled(tiny_dense, tmp_path, dense_eager, monkeypatch):
     assert not root.exists()
     assert list(inductor.iterdir()) == [] and list(triton.iterdir()) == []
     assert runner.timings["inductor_cache_hits"] == 0
+    _same_as(dense_eager, runner)
+
+
+def test_unwritable_cache_dir_starts_without_the_cache(tiny_dense, tmp_path, dense_eager, monkeypatch):
+    """The cache only saves time: a directory this user cannot write (a read-only mount) stopped the
+    start with that error. It now starts as with compile_cache=False, saving nothing, and says so."""
+    root = tmp_path / "ro"
+    _read_only_dir(root, monkeypatch)
+    with pytest.warns(UserWarning, match=r"compile_cache_dir: cannot write .*ro.*starting without the compile cache"):
+        runner = make_runner(tiny_dense, "compile", compile_cache_dir=str(root))
+    t = runner.timings
+    assert t["compile_cache_hit"] == 0.0 and t["compile_cache_unwritable"] == 1.0
+    assert getattr(runner, "compile_cache", None) is None and list(root.iterdir()) == []
     _same_as(dense_eager, runner)
 
 

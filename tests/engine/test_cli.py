@@ -143,3 +143,5 @@ def test_startup_line_parts():
     # a damaged entry, deleted and compiled again, is not reported as a first start
     assert "(compile cache entry was bad: rebuilt" in _startup_line(dict(t, compile_cache_hit=0.0,
                                                                           compile_cache_rebuilt=1.0))
+    assert "(compile cache directory not writable: not cached)" in _startup_line(
+        dict(t, compile_cache_hit=0.0, compile_cache_unwritable=1.0))
