@@ -83,21 +83,41 @@ def read_header(path: Path) -> list[Entry]:
                                   "than once")
         try:
             dtype = DTYPES[info["dtype"]]
+            # A list, not any iterable: tuple("16") is ('1', '6'), and math.prod of it a TypeError.
+            if not isinstance(info["shape"], list):
+                raise TypeError
             shape = tuple(info["shape"])
             begin, end = info["data_offsets"]
-            ok = all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(begin, int) and isinstance(end, int)
+            # Not bools: True is an int to Python, and a shape [16, true] would load as [16, 1].
+            ok = all(_count(d) for d in shape) and _count(begin) and _count(end)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor {name!r} has an invalid header entry {info!r}") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if not ok or not 0 <= begin <= end or end - begin != nbytes:
+        if not ok or not begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {[begin, end]} do not hold "
                                   f"{info['dtype']} {list(shape)}")
         if start + end > size:
             raise CheckpointError(f"{path}: tensor {name!r} ends at byte {start + end}, beyond the file's "
                                   f"{size} bytes (truncated?)")
         entries.append(Entry(name, dtype, shape, start + begin, start + end))
-    entries.sort(key=lambda e: e.begin)
+    entries.sort(key=lambda e: (e.begin, e.end))
+    # Two tensors sharing bytes would both be filled from them, one's values in the other's place
+    # (safetensors refuses such a file too). Empty tensors hold no bytes and overlap nothing.
+    last = None
+    for entry in entries:
+        if entry.end == entry.begin:
+            continue
+        if last is not None and entry.begin < last.end:
+            raise CheckpointError(f"{path}: tensors {last.name!r} (data bytes {last.begin - start}..{last.end - start}) "
+                                  f"and {entry.name!r} (data bytes {entry.begin - start}..{entry.end - start}) overlap; "
+                                  "each tensor has bytes of its own")
+        if last is None or entry.end > last.end:
+            last = entry
     return entries
+
+
+def _count(v) -> bool:
+    """A header's size or offset: an int >= 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _bytes(t: torch.Tensor):

@@ -76,7 +76,7 @@ def write_raw(path, header: dict, data: bytes):
     ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "beyond the file"),
     ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, b"\0" * 16, "do not hold F32"),
     ({"x": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 2]}}, b"\0" * 2, "invalid header entry"),
-    ({"x": {"dtype": "F32", "shape": "4", "data_offsets": [0, 4]}}, b"\0" * 4, "do not hold F32"),
+    ({"x": {"dtype": "F32", "shape": "4", "data_offsets": [0, 4]}}, b"\0" * 4, "invalid header entry"),
     ({"x": {"dtype": "F32", "shape": [1]}}, b"\0" * 4, "invalid header entry"),
 ])
 def test_bad_headers_are_named(tmp_path, header, data, message):
@@ -85,6 +85,43 @@ def test_bad_headers_are_named(tmp_path, header, data, message):
     with pytest.raises(CheckpointError, match=message) as info:
         read_header(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("header, message", [
+    # Found by probing: a shape of more than one character that is not a list raised a bare
+    # TypeError out of math.prod ("can't multiply sequence by non-int of type 'str'").
+    ({"x": {"dtype": "F32", "shape": "16", "data_offsets": [0, 64]}}, "tensor 'x' has an invalid header entry"),
+    ({"x": {"dtype": "F32", "shape": {"a": 1}, "data_offsets": [0, 4]}}, "tensor 'x' has an invalid header entry"),
+    # true is an int to Python: a shape [16, true] loaded as [16, 1], offsets [false, ...] as 0.
+    ({"x": {"dtype": "F32", "shape": [16, True], "data_offsets": [0, 64]}}, "tensor 'x': data_offsets [0, 64] do not hold F32 [16, True]"),
+    ({"x": {"dtype": "F32", "shape": ["a", "b"], "data_offsets": [0, 4]}}, "tensor 'x': data_offsets [0, 4] do not hold F32 ['a', 'b']"),
+    ({"x": {"dtype": "F32", "shape": [1], "data_offsets": [False, 4]}}, "tensor 'x': data_offsets [False, 4] do not hold F32 [1]"),
+])
+def test_header_entries_of_the_wrong_form_are_named(tmp_path, header, message):
+    path = tmp_path / "bad.safetensors"
+    write_raw(path, header, b"\0" * 64)
+    with pytest.raises(CheckpointError) as info:
+        read_header(path)
+    assert str(info.value).startswith(f"{path}: {message}"), str(info.value)
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+    """Found by probing: a header whose tensors share bytes (one's data_offsets inside another's)
+    loaded both from them, one tensor's values in the other's place, without a word; safetensors
+    itself refuses such a file."""
+    path = tmp_path / "overlap.safetensors"
+    write_raw(path, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                     "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+                     "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}}, b"\0" * 24)
+    with pytest.raises(CheckpointError) as info:
+        read_header(path)
+    assert str(info.value) == (f"{path}: tensors 'a' (data bytes 0..16) and 'b' (data bytes 8..24) overlap; "
+                               "each tensor has bytes of its own")
+    # Adjacent, with an empty tensor and a gap between: taken.
+    write_raw(path, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                     "e": {"dtype": "F32", "shape": [0], "data_offsets": [16, 16]},
+                     "b": {"dtype": "F32", "shape": [1], "data_offsets": [20, 24]}}, b"\0" * 24)
+    assert [e.name for e in read_header(path)] == ["a", "e", "b"]
 
 
 @pytest.mark.parametrize("blob, message", [
