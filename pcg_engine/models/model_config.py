@@ -16,6 +16,7 @@ Both spellings of renamed fields are accepted: the hub's (`rope_theta`, `num_exp
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def _positive_int(v):
 
 
 def _positive_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    # Finite: an infinite rms_norm_eps zeroes every norm's output, an infinite rope_theta every rotation.
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)
 
 
 def _int_list(v):
@@ -85,7 +87,7 @@ _COMMON = {
     "num_key_value_heads": (("num_key_value_heads",), _positive_int, "an int > 0", _REQUIRED),
     "head_dim": (("head_dim",), _positive_int, "an int > 0", None),
     "intermediate_size": (("intermediate_size",), _positive_int, "an int > 0", None),
-    "rms_norm_eps": (("rms_norm_eps",), _positive_number, "a number > 0", 1e-6),
+    "rms_norm_eps": (("rms_norm_eps",), _positive_number, "a finite number > 0", 1e-6),
     # >= 2: a prompt token and one new one (EngineConfig's max_model_len bound). 1 was taken, and
     # every request refused ("allowed: at most 0 prompt tokens"), a max_model_len with "allowed: 2..1".
     "max_position_embeddings": (("max_position_embeddings",), lambda v: _positive_int(v) and v >= 2,
@@ -136,7 +138,7 @@ def _rope_theta(raw: dict, where: str) -> float:
               if v is not None}
     for key, value in thetas.items():
         if not _positive_number(value):
-            raise CheckpointError(f"{where}: field {key!r} is {value!r}; allowed: a number > 0")
+            raise CheckpointError(f"{where}: field {key!r} is {value!r}; allowed: a finite number > 0")
     if len(set(thetas.values())) > 1:
         raise CheckpointError(f"{where}: fields 'rope_theta' and 'rope_parameters.rope_theta' disagree "
                               f"({thetas['rope_theta']!r}, {thetas['rope_parameters.rope_theta']!r})")

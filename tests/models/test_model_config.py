@@ -77,7 +77,7 @@ def test_missing_moe_field_is_named():
     ("hidden_size", 0, "'hidden_size' is 0; allowed: an int > 0"),
     ("num_hidden_layers", "4", "'num_hidden_layers' is '4'"),
     ("num_attention_heads", True, "'num_attention_heads' is True"),
-    ("rms_norm_eps", -1.0, "'rms_norm_eps' is -1.0; allowed: a number > 0"),
+    ("rms_norm_eps", -1.0, "'rms_norm_eps' is -1.0; allowed: a finite number > 0"),
     ("tie_word_embeddings", 1, "'tie_word_embeddings' is 1; allowed: true or false"),
     # found by probing: 1 was taken; every request was then refused, a max_model_len "allowed: 2..1"
     ("max_position_embeddings", 1, "'max_position_embeddings' is 1; allowed: an int >= 2"),
@@ -96,6 +96,22 @@ def test_invalid_field_is_named(field, value, message):
     raw[field] = value
     with pytest.raises(CheckpointError, match=message):
         parse_config(raw, "ckpt/config.json")
+
+
+@pytest.mark.parametrize("edit, message", [
+    # Found by probing: an infinite eps loaded and every norm output 0 (the first token was id 0, the
+    # request then stopped); an infinite theta alone left RoPE without rotation.
+    ({"rms_norm_eps": float("inf")}, "field 'rms_norm_eps' is inf; allowed: a finite number > 0"),
+    ({"rope_theta": float("inf"), "rope_parameters": None}, "field 'rope_theta' is inf; allowed: a finite number > 0"),
+    ({"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "field 'rope_parameters.rope_theta' is inf; allowed: a finite number > 0"),
+])
+def test_infinite_numbers_are_refused(edit, message):
+    raw = preset_json("tiny-qwen3")
+    raw.update(edit)
+    with pytest.raises(CheckpointError) as info:
+        parse_config(raw, "ckpt/config.json")
+    assert str(info.value) == f"ckpt/config.json: {message}"
 
 
 def test_moe_top_k_beyond_experts():
