@@ -223,8 +223,18 @@ def parse_config(raw, where: str = "config.json") -> ModelConfig:
     if heads % kv_heads:
         raise CheckpointError(f"{where}: num_attention_heads ({heads}) must be a multiple of "
                               f"num_key_value_heads ({kv_heads})")
+    # RoPE rotates pairs of dimensions: an odd head_dim loaded here and failed on the first prompt, as
+    # "the tokenizer cannot be loaded" (transformers validates config.json in AutoTokenizer).
+    even = "an even head_dim > 0 (RoPE rotates pairs of dimensions)"
     if values["head_dim"] is None:          # what the model code does without it (and Qwen3-MoE's)
         values["head_dim"] = values["hidden_size"] // heads
+        if values["head_dim"] % 2 or not values["head_dim"]:
+            raise CheckpointError(f"{where}: no field 'head_dim', and hidden_size ({values['hidden_size']}) // "
+                                  f"num_attention_heads ({heads}) is {values['head_dim']}; allowed: {even}: "
+                                  "give 'head_dim'")
+    elif values["head_dim"] % 2:
+        raise CheckpointError(f"{where}: field 'head_dim' is {values['head_dim']}; allowed: an even int > 0 "
+                              "(RoPE rotates pairs of dimensions)")
     no_dense_width = values["intermediate_size"] is None
     if no_dense_width:
         values["intermediate_size"] = 0

@@ -114,6 +114,29 @@ def test_infinite_numbers_are_refused(edit, message):
     assert str(info.value) == f"ckpt/config.json: {message}"
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"head_dim": 31}, "field 'head_dim' is 31; allowed: an even int > 0 (RoPE rotates pairs of dimensions)"),
+    ({"head_dim": None, "hidden_size": 132}, "no field 'head_dim', and hidden_size (132) // num_attention_heads (4) "
+                                             "is 33; allowed: an even head_dim > 0 (RoPE rotates pairs of dimensions): "
+                                             "give 'head_dim'"),
+    ({"head_dim": None, "hidden_size": 3}, "no field 'head_dim', and hidden_size (3) // num_attention_heads (4) "
+                                           "is 0; allowed: an even head_dim > 0 (RoPE rotates pairs of dimensions): "
+                                           "give 'head_dim'"),
+])
+def test_odd_head_dim_is_refused(edit, message):
+    """Found by probing: a checkpoint of odd head_dim (weights of its shapes) loaded, and the first
+    prompt, text or token ids, failed as "the tokenizer cannot be loaded" (transformers validates
+    config.json in AutoTokenizer: "RoPE requires an even rotary dimension"), naming neither
+    config.json nor the field."""
+    raw = preset_json("tiny-qwen3")
+    raw.update(edit)
+    with pytest.raises(CheckpointError) as info:
+        parse_config(raw, "ckpt/config.json")
+    assert str(info.value) == f"ckpt/config.json: {message}"
+    raw.update(head_dim=2)
+    assert parse_config(raw).head_dim == 2
+
+
 def test_moe_top_k_beyond_experts():
     raw = preset_json("tiny-qwen3-moe")
     raw["num_experts_per_tok"] = raw["num_experts"] + 1
