@@ -10,6 +10,7 @@ Every failure names the file and the tensor or field; a failed load leaves no mo
 
 import contextlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -146,6 +147,43 @@ def _check_tied_head(file: Path, entry, config: ModelConfig) -> None:
                               f"[vocab_size, hidden_size] = {expected}")
 
 
+def config_numel(config: ModelConfig) -> int:
+    """How many weights the model built for `config` holds, counted without building it."""
+    D, V, L, hd = config.hidden_size, config.vocab_size, config.num_hidden_layers, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = 2 * D * q + 2 * D * kv + 2 * hd + 2 * D      # q and o, k and v, q/k norms, the two layer norms
+    sparse = 0
+    if config.is_moe:
+        step = config.decoder_sparse_step
+        sparse = L // step - len({i for i in config.mlp_only_layers if i < L and (i + 1) % step == 0})
+    moe = config.num_experts * D * (1 + 3 * config.moe_intermediate_size)    # router, experts
+    head = 0 if config.tie_word_embeddings else V * D
+    return V * D + L * per_layer + (L - sparse) * 3 * D * config.intermediate_size + sparse * moe + D + head
+
+
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_size(path: Path, config: ModelConfig, headers: dict) -> None:
+    """A config.json asking for far more weights than the files hold is refused before the model
+    is built: built first, num_hidden_layers 10**9 hung in the constructor, and a typo'd size
+    (vocab_size 10**13, 360 layers for 36) failed in the allocator with a bare RuntimeError or
+    torch.OutOfMemoryError. Up to twice the stored count, the model is built and the per-tensor
+    checks name the missing or misshapen tensors (a missing lm_head, one layer too many)."""
+    stored = sum(math.prod(e.shape) for entries in headers.values() for e in entries)
+    wanted = config_numel(config)
+    if wanted <= 2 * stored:
+        return
+    layers = {int(m.group(1)) for entries in headers.values() for e in entries if (m := _LAYER.match(e.name))}
+    fields = _SIZE_FIELDS + (("num_experts", "moe_intermediate_size") if config.is_moe else ())
+    sizes = ", ".join(f"{f} {getattr(config, f)}" for f in fields)
+    raise CheckpointError(f"{path / 'config.json'}: describes a model of {wanted:,} weights ({sizes}), more than "
+                          f"twice the {stored:,} its weight files hold ({len(layers)} layers); config.json is not "
+                          "of these weights")
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -167,6 +205,8 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = load_config(path)
     files = weight_files(path)
+    headers = {file: read_header(file) for file in files}
+    _check_size(path, config, headers)
     # Built in place: uninitialised storage of the final dtype on the target device (the modules
     # skip their random init; layers.Embedding). Not on the meta device + to_empty: meta tensors'
     # empty_like runs through torch._refs, which imports sympy (1 s of a CPU start-up).
@@ -177,7 +217,7 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
     stored_head = None                  # a tied model's stored lm_head.weight, compared with the embedding
     for file in files:
         plan = []
-        for entry in read_header(file):
+        for entry in headers[file]:
             if entry.name in stored_in:
                 raise CheckpointError(f"tensor {entry.name!r} is stored twice, in {stored_in[entry.name]} and in "
                                       f"{file}; a checkpoint holds each tensor in one shard")

@@ -251,10 +251,15 @@ def parse_config(raw, where: str = "config.json") -> ModelConfig:
     if layer_types is not None and len(layer_types) != config.num_hidden_layers:
         raise CheckpointError(f"{where}: field 'layer_types' has {len(layer_types)} entries; allowed: one per layer, "
                               f"num_hidden_layers ({config.num_hidden_layers}) of them, or null")
-    dense = [i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)]
-    if dense and no_dense_width:
+    # The first dense layer, found without a list of every layer: num_hidden_layers 10**9 made one of
+    # 24 GB here (the loader's size check refuses such a config, once it is read).
+    if not config.is_moe or config.decoder_sparse_step > 1:
+        dense = 0
+    else:
+        dense = min((i for i in config.mlp_only_layers if i < config.num_hidden_layers), default=None)
+    if dense is not None and no_dense_width:
         raise CheckpointError(f"{where}: field 'intermediate_size' is missing (allowed: an int > 0; layer "
-                              f"{dense[0]} has a dense MLP)")
+                              f"{dense} has a dense MLP)")
     return config
 
 

@@ -517,6 +517,46 @@ def test_tied_lm_head_that_differs_from_the_embedding_is_refused(ckpt_copy):
     assert not hasattr(model, "lm_head") and model.lm_head_weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("edit", [{"vocab_size": 10**13}, {"intermediate_size": 10**12},
+                                  {"num_hidden_layers": 10**9, "layer_types": None}])
+def test_config_far_larger_than_the_weights_is_refused_before_building(ckpt_copy, edit):
+    """Found by probing: the model was built before any tensor was compared with config.json, so a
+    size typo failed in the allocator (vocab_size 10**13: a bare RuntimeError "can't allocate memory";
+    on CUDA torch.OutOfMemoryError) and num_hidden_layers 10**9 hung in the constructor."""
+    from pcg_engine.models.loader import config_numel
+    from pcg_engine.models.model_config import read_config
+
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg.update(edit)
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    config = read_config(ckpt_copy)
+    msg = load_error(ckpt_copy)
+    assert msg.startswith(f"{ckpt_copy / 'config.json'}: describes a model of {config_numel(config):,} weights "
+                          f"(vocab_size {config.vocab_size}, hidden_size {config.hidden_size}, num_hidden_layers "
+                          f"{config.num_hidden_layers}, "), msg
+    assert msg.endswith("its weight files hold (4 layers); config.json is not of these weights"), msg
+
+
+@pytest.mark.parametrize("preset, edit", [
+    ("tiny-qwen3", {}), ("tiny-qwen3", {"tie_word_embeddings": False}), ("tiny-qwen3-moe", {}),
+    ("tiny-qwen3-moe", {"decoder_sparse_step": 2, "mlp_only_layers": [0, 1, 9]}),
+    ("tiny-qwen3-moe", {"decoder_sparse_step": 3, "num_hidden_layers": 7, "layer_types": None}),
+])
+def test_config_numel_counts_the_built_model(preset, edit):
+    """The size check's count is the model's own: a checkpoint that fits its config is never refused."""
+    from pcg_engine.models import presets
+    from pcg_engine.models.loader import config_numel
+    from pcg_engine.models.model_config import parse_config
+    from pcg_engine.models.qwen3 import Qwen3ForCausalLM
+
+    raw = json.loads(json.dumps(presets.config_json(preset)))
+    raw.update(edit)
+    config = parse_config(raw)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    assert config_numel(config) == sum(p.numel() for p in model.parameters())
+
+
 def test_truncated_safetensors(ckpt_copy):
     file = ckpt_copy / "model.safetensors"
     data = file.read_bytes()
