@@ -54,6 +54,13 @@ def weight_files(path: Path) -> list[Path]:
                 raise CheckpointError(f"{index}: weight file {f.name!r} ({f}) is outside the checkpoint directory")
             if not f.is_file():
                 raise CheckpointError(f"{f}: listed in {index.name} but missing")
+        # transformers reads model.safetensors when there is one and ignores the index: beside an
+        # index that names other shards, the two would load different weights from one directory.
+        single = path / "model.safetensors"
+        if single.is_file() and single not in files:
+            raise CheckpointError(f"{path}: holds model.safetensors and {index.name}, whose weight_map does not "
+                                  "list it; transformers loads model.safetensors, this loader the index's shards: "
+                                  "which weights are meant cannot be told. Remove the one not meant")
         return files
     files = sorted(path.glob("*.safetensors"))
     if files:

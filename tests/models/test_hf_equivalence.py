@@ -608,6 +608,28 @@ def test_sharded_index_through_symlinks_loads(ckpt_copy, tmp_path):
     assert weight_files(ckpt_copy) == [ckpt_copy / "model.safetensors"]
 
 
+def test_single_file_beside_an_index_that_does_not_list_it_is_refused(ckpt_copy):
+    """Found by probing: with model.safetensors beside a model.safetensors.index.json naming other
+    shards, the loader read the index's shards and ignored model.safetensors, where transformers
+    reads model.safetensors and ignores the index: two models from one directory, without a word."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt_copy / "model.safetensors"))
+    names = list(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, part in shards.items():
+        save_file({n: tensors[n] * 2 for n in part}, str(ckpt_copy / shard))     # other weights than model.safetensors
+    weight_map = {n: shard for shard, part in shards.items() for n in part}
+    (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    msg = load_error(ckpt_copy)
+    assert msg == (f"{ckpt_copy}: holds model.safetensors and model.safetensors.index.json, whose weight_map "
+                   "does not list it; transformers loads model.safetensors, this loader the index's shards: "
+                   "which weights are meant cannot be told. Remove the one not meant"), msg
+    (ckpt_copy / "model.safetensors").unlink()          # the index alone: its shards
+    model = load_model(ckpt_copy, device="cpu", dtype=torch.float32, fuse=False)
+    assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"] * 2)
+
+
 @pytest.mark.parametrize("content, expected", [("{bad", "not valid JSON"), ("[1, 2]", "expected a JSON object, got list")])
 def test_broken_generation_config_is_named(ckpt_copy, content, expected):
     """Found by probing: a generation_config.json that is not JSON gave json's bare message (no file
