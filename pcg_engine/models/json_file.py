@@ -31,6 +31,14 @@ def _refuse_repeats(pairs: list) -> dict:
     return obj
 
 
+def beyond_json_limits(e: Exception) -> str:
+    """What json.loads raised at its own limits, where the text may be valid JSON: a RecursionError
+    for arrays or objects nested too deep, a ValueError for an integer of over 4300 digits
+    (sys.get_int_max_str_digits). Neither is a JSONDecodeError: uncaught, they left as bare
+    tracebacks naming no file."""
+    return "nested deeper than Python's json reader goes" if isinstance(e, RecursionError) else str(e)
+
+
 def read_json_object(file: Path) -> dict:
     """The file's JSON object; a file that cannot be read, is not JSON, is not an object or gives a
     key twice in one object is a CheckpointError naming it."""
@@ -44,6 +52,8 @@ def read_json_object(file: Path) -> dict:
                               "cannot be told") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    except (RecursionError, ValueError) as e:
+        raise CheckpointError(f"{file}: not valid JSON here ({beyond_json_limits(e)})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
     return data

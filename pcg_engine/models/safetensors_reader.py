@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pcg_engine.errors import CheckpointError
+from pcg_engine.models.json_file import beyond_json_limits
 
 CHUNK = 64 << 20
 _MAX_HEADER = 100 << 20      # safetensors' own limit
@@ -64,10 +65,14 @@ def read_header(path: Path) -> list[Entry]:
             if n > _MAX_HEADER or 8 + n > size:
                 raise CheckpointError(f"{path}: not a safetensors file (header length {n} for a {size}-byte file)")
             header = json.loads(f.read(n), object_pairs_hook=_Object)
+    except CheckpointError:         # a ValueError, raised above: not json's
+        raise
     except OSError as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: invalid safetensors header ({e})") from None
+    except (RecursionError, ValueError) as e:
+        raise CheckpointError(f"{path}: invalid safetensors header ({beyond_json_limits(e)})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: invalid safetensors header (not a JSON object)")
     if header.repeated:

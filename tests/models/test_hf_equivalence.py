@@ -328,6 +328,29 @@ def test_a_key_given_twice_is_refused(ckpt_copy, name, text, key):
     assert str(file) in str(info.value) and f"key {key!r} is given twice in one object" in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "generation_config.json"])
+@pytest.mark.parametrize("value, expected", [
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON here (nested deeper than Python's json reader goes)"),
+    ("9" * 5000, "not valid JSON here (Exceeds the limit (4300 digits) for integer string conversion"),
+])
+def test_json_beyond_the_readers_limits_is_named(ckpt_copy, name, value, expected):
+    """Found by probing: a JSON file nested 100,000 deep, or holding a 5000-digit number, raised a
+    bare RecursionError or ValueError out of json.loads, naming no file."""
+    from pcg_engine.engine.tokenizer import eos_token_ids
+    file = ckpt_copy / name
+    if name == "model.safetensors.index.json":
+        file.write_text('{"weight_map": {"%s": "model.safetensors"}, "x": %s}' % (K, value))
+    else:
+        original = file.read_text().strip()
+        file.write_text('{"x": ' + value + ", " + original[1:])
+    with pytest.raises(CheckpointError) as info:
+        if name == "generation_config.json":
+            eos_token_ids(ckpt_copy, vocab_size=1024)
+        else:
+            load_model(ckpt_copy, device="cpu", dtype=torch.float32)
+    assert str(info.value).startswith(f"{file}: {expected}"), str(info.value)
+
+
 def test_unsupported_architecture(ckpt_copy):
     cfg = json.loads((ckpt_copy / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]

@@ -141,11 +141,27 @@ def test_repeated_header_keys_are_refused(tmp_path, blob, message):
     assert str(info.value).startswith(f"{path}: {message}")
 
 
+@pytest.mark.parametrize("value, expected", [
+    (b"[" * 100_000 + b"]" * 100_000, "invalid safetensors header (nested deeper than Python's json reader goes)"),
+    (b"9" * 5000, "invalid safetensors header (Exceeds the limit (4300 digits) for integer string conversion"),
+])
+def test_header_beyond_the_json_readers_limits_is_named(tmp_path, value, expected):
+    """Found by probing: a header nested 100,000 deep or holding a 5000-digit number raised a bare
+    RecursionError or ValueError out of json.loads, naming no file."""
+    path = tmp_path / "deep.safetensors"
+    blob = b'{"__metadata__": {"format": "pt"}, "x": ' + value + b"}"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    with pytest.raises(CheckpointError) as info:
+        read_header(path)
+    assert str(info.value).startswith(f"{path}: {expected}"), str(info.value)
+
+
 def test_not_safetensors(tmp_path):
     path = tmp_path / "junk.safetensors"
     path.write_bytes(b"\xff" * 64)
-    with pytest.raises(CheckpointError, match="header length"):
+    with pytest.raises(CheckpointError, match="header length") as info:
         read_header(path)
+    assert str(info.value).startswith(f"{path}: not a safetensors file (header length")
     path.write_bytes(b"\x01")
     with pytest.raises(CheckpointError, match="shorter than"):
         read_header(path)
