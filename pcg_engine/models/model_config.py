@@ -8,8 +8,8 @@ compare against and the tokenizer library, loaded only when text is encoded or d
 Fields that fix a tensor shape are required: a missing one is an error naming it, where
 transformers would fill in its own default (a 4096-wide model) and fail later on the weights.
 Optional fields take transformers' defaults. Features the flat model does not implement (scaled
-RoPE, sliding-window attention, attention biases, an activation other than SiLU) are refused by
-name rather than ignored.
+RoPE, sliding-window attention, attention biases, an activation other than SiLU, quantized weights)
+are refused by name rather than ignored.
 Both spellings of renamed fields are accepted: the hub's (`rope_theta`, `num_experts`,
 `rope_scaling`) and transformers 5's serialisation (`rope_parameters`, `num_local_experts`).
 """
@@ -169,6 +169,14 @@ def _refuse_unsupported(raw: dict, where: str) -> None:
             if kind != "full_attention":
                 raise CheckpointError(f"{where}: field 'layer_types' gives layer {i} {kind!r}; pcg-engine "
                                       "implements only full attention (allowed: 'full_attention')")
+    # Quantized weights need their scales applied or their packing undone, which the flat model
+    # does not do: FP8 ones would load cast without their scales, and the scale tensors were refused
+    # one by one as "unexpected", never saying why.
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise CheckpointError(f"{where}: field 'quantization_config' asks for {method!r} quantization; pcg-engine "
+                              "loads unquantized weights only (allowed: no quantization_config, or null)")
     if raw.get("attention_bias"):
         raise CheckpointError(f"{where}: field 'attention_bias' is true; the Qwen3 projections have no bias "
                               "(allowed: false)")

@@ -390,6 +390,11 @@ def test_bad_config_field(ckpt_copy):
     pytest.param({"torch_dtype": "float33"}, "field 'torch_dtype' is 'float33'; allowed: 'bfloat16', 'float16', "
                  "'float32', 'float64' or null", id="torch_dtype-unknown"),
     pytest.param({"dtype": "int8"}, "field 'dtype' is 'int8'", id="dtype-int"),
+    # Found by probing: ignored, the float weights loaded as if unquantized; a real FP8 checkpoint was
+    # refused only by its first scale tensor, as "unexpected tensor '...weight_scale_inv'".
+    pytest.param({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                 "field 'quantization_config' asks for 'fp8' quantization; pcg-engine loads unquantized weights "
+                 "only (allowed: no quantization_config, or null)", id="quantization_config"),
 ])
 def test_bad_config_value_refused_at_load(ckpt_copy, edit, expected):
     """Found by probing: the features loaded without a word and the model ran as if they were not
