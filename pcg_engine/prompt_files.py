@@ -8,6 +8,8 @@ import codecs
 import json
 import sys
 
+from pcg_engine.models.json_file import beyond_json_limits
+
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
     """(line number from 1, line) of the file's non-blank lines; path "-" reads standard input."""
@@ -37,6 +39,9 @@ def parse_json(line: str, number: int, flag: str):
         return json.loads(line)
     except json.JSONDecodeError as e:
         raise SystemExit(f"{flag}: line {number} is not valid JSON ({e.msg}): {line[:80]}") from None
+    except (RecursionError, ValueError) as e:   # json's own limits (models/json_file.py says which)
+        raise SystemExit(f"{flag}: line {number} is not valid JSON here ({beyond_json_limits(e)}): "
+                         f"{line[:80]}") from None
 
 
 def sampling_field(obj: dict) -> str | None:

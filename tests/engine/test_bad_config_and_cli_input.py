@@ -173,6 +173,9 @@ def test_prompts_file_with_a_byte_order_mark(tmp_path):
     (b'{"prompt": 5}\n{"prompt": 6}\n', "line 1: 'prompt' must be a string or a non-empty list of token ids, got 5"),
     (b'{"prompt": []}\n', "line 1: 'prompt' must be a string"),
     (b'{"prompt": [5, "x"]}\n', "line 1: 'prompt' must be a string"),
+    # past json's own limits: a RecursionError / ValueError traceback before
+    (b'ok\n{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}\n", "line 2 is not valid JSON here (nested deeper"),
+    (b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}\n", "line 1 is not valid JSON here (Exceeds the limit"),
 ])
 def test_prompts_file_bad_content_is_named(tmp_path, content, expected):
     path = tmp_path / "p.txt"
