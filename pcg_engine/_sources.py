@@ -13,13 +13,13 @@ ROOT = Path(__file__).resolve().parent     # the pcg_engine package
 
 
 def digest(root: Path = ROOT) -> str:
-    digest = hashlib.sha256()
+    h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         if "__pycache__" in path.parts:
             continue
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 AT_IMPORT = digest()
