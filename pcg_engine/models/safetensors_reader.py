@@ -88,6 +88,14 @@ def read_header(path: Path) -> list[Entry]:
                                   "than once")
         try:
             dtype = DTYPES[info["dtype"]]
+        except (KeyError, TypeError):
+            if isinstance(info, dict) and isinstance(info.get("dtype"), str):
+                # A dtype safetensors has but this reader does not load (F8_E8M0, U16, ...): say so,
+                # not "invalid header entry", which reads as a damaged file.
+                raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']!r}, which this engine "
+                                      f"does not load; allowed: {', '.join(DTYPES)}") from None
+            raise CheckpointError(f"{path}: tensor {name!r} has an invalid header entry {info!r}") from None
+        try:
             # A list, not any iterable: tuple("16") is ('1', '6'), and math.prod of it a TypeError.
             if not isinstance(info["shape"], list):
                 raise TypeError
