@@ -27,6 +27,12 @@ class IncrementalDetokenizer:
         # Start the window a few prompt tokens back, so the first output token decodes in context
         # (leading-space handling of some tokenizers depends on the previous token).
         self.context = list(prompt_token_ids[-4:])
+        # A prompt ending inside a character (token-id prompts): the output's first bytes would
+        # complete it, and the offsets below would drop that character from the text. The output's
+        # text is its own tokens' decoding (leading continuation bytes are U+FFFD), so the window
+        # starts after the incomplete character.
+        while self.context and self._decode(self.context).endswith(REPLACEMENT):
+            self.context.pop()
         self.prefix_offset = 0
         self.read_offset = len(self.context)
         self.text = ""          # emitted so far

@@ -472,6 +472,26 @@ def test_incremental_detokenizer_stop_strings_multibyte(tokenizer):
         assert emitted == detok.text == text[:text.find(stop)]
 
 
+def test_incremental_detokenizer_prompt_ending_inside_a_character(tokenizer):
+    """A token-id prompt that ends inside a character (a continuation of an output cut at
+    max_tokens mid-emoji): the output's text is its own tokens' decoding. The window started in
+    the prompt, whose text ended in U+FFFD; the first output token completed the character, the
+    text got no longer, and the next delta was cut past it: the character vanished."""
+    cases = 0
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for k in range(1, len(ids)):
+            if not tokenizer.decode(ids[:k]).endswith("\ufffd"):
+                continue
+            cases += 1
+            prompt, out = ids[max(0, k - 4):k], ids[k:]
+            for stop in (None, ["\x00never-matches"]):
+                detok = IncrementalDetokenizer(tokenizer, prompt, stop=stop)
+                deltas = [detok.add(t) for t in out] + [detok.flush()]
+                assert "".join(deltas) == detok.text == tokenizer.decode(out), (text, k, stop)
+    assert cases > 5, "no prompt ended inside a character: the test tests nothing"
+
+
 def test_generated_text_is_decoded_tokens(engines, tokenizer):
     """Text prompts in several scripts: the engine's text equals decoding its tokens at once."""
     llm = engines("tiny-qwen3")
