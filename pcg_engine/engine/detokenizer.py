@@ -4,7 +4,9 @@ Decoding one token at a time is wrong for byte-level BPE: a multi-byte character
 can span tokens, and decoding a token alone yields U+FFFD. We decode a short window of recent
 tokens and emit only the text past what was already emitted, holding back while the window ends
 in an incomplete character. Stop strings are searched in the newly produced text plus enough of
-the old to catch a stop string that straddles two deltas; the text is cut before the stop string.
+the old to catch a stop string that straddles two deltas (and in the text before a held-back
+incomplete character, so the request stops at the token that completes the stop string); the text is
+cut before the stop string.
 While stop strings are set, the last (longest stop - 1) characters are held back: they might be the
 start of a stop string, and text once emitted (streamed) cannot be taken back. `flush` releases them
 when the request ends for another reason. With min_tokens, stop strings are searched only in the
@@ -49,10 +51,21 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.context[self.prefix_offset:self.read_offset])
         full = self._decode(self.context[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
+            if self.stop and len(full) > len(prefix):
+                return self._stop_before_incomplete(full[len(prefix):])
             return ""
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.context)
         return self._append_text(delta)
+
+    def _stop_before_incomplete(self, delta: str) -> str:
+        """A token can complete a stop string and start a character (' \\xc3', 'r\\xc3' are tokens):
+        the text before the incomplete character is final, so a stop string in it stops the request
+        at this token, not at the one that completes the character (or never, at max_tokens)."""
+        complete = delta.rstrip(REPLACEMENT)
+        if complete and len(self.tokens) >= self.min_tokens and any(s in self.held + complete for s in self.stop):
+            return self._append_text(complete)
+        return ""
 
     def _append_text(self, delta: str) -> str:
         if not self.stop or len(self.tokens) < self.min_tokens:

@@ -472,6 +472,37 @@ def test_incremental_detokenizer_stop_strings_multibyte(tokenizer):
         assert emitted == detok.text == text[:text.find(stop)]
 
 
+def test_stop_string_in_a_token_that_starts_a_character_stops_there(tokenizer):
+    """A token can end a stop string and start a multi-byte character (' \\xc3', 'r\\xc3'): the
+    request stops at that token. Its text was held back whole until the character completed, so
+    the stop string was seen a token later (one extra token in token_ids), or only by flush at
+    max_tokens, after the request had ended for its length."""
+    cases = 0
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for k in range(len(ids)):
+            before = tokenizer.decode(ids[:k]).rstrip("\ufffd")
+            now = tokenizer.decode(ids[:k + 1])
+            complete = now.rstrip("\ufffd")
+            if not now.endswith("\ufffd") or len(complete) <= len(before):
+                continue
+            stop = complete[-2:]
+            first = text.find(stop)
+            if first + len(stop) != len(complete):
+                continue              # the stop string occurs earlier: another token's case
+            cases += 1
+            detok = IncrementalDetokenizer(tokenizer, [5, 6], stop=["never", stop])
+            emitted, stopped_at = "", None
+            for i, t in enumerate(ids):
+                emitted += detok.add(t)
+                if detok.stopped_by is not None:
+                    stopped_at = i
+                    break
+            assert (stopped_at, detok.stopped_by) == (k, stop), (text, k, stop)
+            assert emitted == detok.text == text[:first]
+    assert cases > 3, "no token ended a stop string and started a character: the test tests nothing"
+
+
 def test_incremental_detokenizer_prompt_ending_inside_a_character(tokenizer):
     """A token-id prompt that ends inside a character (a continuation of an output cut at
     max_tokens mid-emoji): the output's text is its own tokens' decoding. The window started in
