@@ -14,7 +14,23 @@ text of the min_tokens-th output token on (as EOS and stop_token_ids wait for it
 emitted as it comes.
 """
 
+import weakref
+
 REPLACEMENT = "\ufffd"
+
+_SKIPPED_IDS = weakref.WeakKeyDictionary()     # tokenizer -> ids decode(skip_special_tokens=True) drops
+
+
+def skipped_ids(tokenizer) -> frozenset:
+    """The ids that decode(skip_special_tokens=True) leaves out (the added tokens marked special),
+    found once per tokenizer by decoding each special or added token both ways."""
+    ids = _SKIPPED_IDS.get(tokenizer)
+    if ids is None:
+        candidates = set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        ids = frozenset(i for i in candidates if tokenizer.decode([i], skip_special_tokens=True) == ""
+                        and tokenizer.decode([i], skip_special_tokens=False) != "")
+        _SKIPPED_IDS[tokenizer] = ids
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -23,6 +39,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
+        self.skipped = skipped_ids(tokenizer) if skip_special_tokens else frozenset()
         self.stop = [s for s in (stop or []) if s]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.tokens: list[int] = []
@@ -46,8 +63,12 @@ class IncrementalDetokenizer:
 
     def add(self, token: int) -> str:
         """Append one token; returns the new text it completes ('' while a character is split)."""
-        self.context.append(token)
         self.tokens.append(token)
+        if token in self.skipped:
+            # decode() leaves it out, so the window may too. Kept, it grew the window without
+            # text: each token of a run of <|endoftext|> (ignore_eos) decoded the whole run.
+            return ""
+        self.context.append(token)
         prefix = self._decode(self.context[self.prefix_offset:self.read_offset])
         full = self._decode(self.context[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):

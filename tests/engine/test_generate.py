@@ -503,6 +503,33 @@ def test_stop_string_in_a_token_that_starts_a_character_stops_there(tokenizer):
     assert cases > 3, "no token ended a stop string and started a character: the test tests nothing"
 
 
+def test_skipped_special_tokens_do_not_grow_the_window(tokenizer):
+    """A run of special tokens left out of the text (<|endoftext|> after the end, with ignore_eos)
+    stayed in the decode window, which grew by one token a step: every token decoded the whole run
+    (quadratic: 4096 of them took 1.7 s on the CPU, the serving loop stalled for every request)."""
+    class Counting:
+        def __init__(self, tok):
+            self.tok, self.decoded = tok, 0
+
+        def decode(self, ids, **kw):
+            self.decoded += len(ids)
+            return self.tok.decode(ids, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text_ids = tokenizer(TEXTS[2], add_special_tokens=False)["input_ids"]
+    ids = text_ids[:5] + [pad] * 1000 + text_ids[5:]
+    for skip in (True, False):
+        counting = Counting(tokenizer)
+        detok = IncrementalDetokenizer(counting, [5, 6], skip_special_tokens=skip)
+        deltas = [detok.add(t) for t in ids] + [detok.flush()]
+        assert "".join(deltas) == detok.text == tokenizer.decode(ids, skip_special_tokens=skip)
+        # Two decodes a token of a window of a few tokens (a character spans at most 4).
+        assert counting.decoded <= 16 * len(ids), (skip, counting.decoded)
+
+
 def test_incremental_detokenizer_prompt_ending_inside_a_character(tokenizer):
     """A token-id prompt that ends inside a character (a continuation of an output cut at
     max_tokens mid-emoji): the output's text is its own tokens' decoding. The window started in
