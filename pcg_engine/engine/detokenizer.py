@@ -3,7 +3,8 @@
 Decoding one token at a time is wrong for byte-level BPE: a multi-byte character (é, 中, an emoji)
 can span tokens, and decoding a token alone yields U+FFFD. We decode a short window of recent
 tokens and emit only the text past what was already emitted, holding back while the window ends
-in an incomplete character. Stop strings are searched in the newly produced text plus enough of
+in an incomplete character (with a byte-level decoder, bytes that can no longer complete one, as
+U+FFFD, are released after four tokens). Stop strings are searched in the newly produced text plus enough of
 the old to catch a stop string that straddles two deltas (and in the text before a held-back
 incomplete character, so the request stops at the token that completes the stop string); the text is
 cut before the stop string.
@@ -18,19 +19,21 @@ import weakref
 
 REPLACEMENT = "\ufffd"
 
-_SKIPPED_IDS = weakref.WeakKeyDictionary()     # tokenizer -> ids decode(skip_special_tokens=True) drops
+_FACTS = weakref.WeakKeyDictionary()     # tokenizer -> _tokenizer_facts(tokenizer)
 
 
-def skipped_ids(tokenizer) -> frozenset:
-    """The ids that decode(skip_special_tokens=True) leaves out (the added tokens marked special),
-    found once per tokenizer by decoding each special or added token both ways."""
-    ids = _SKIPPED_IDS.get(tokenizer)
-    if ids is None:
+def _tokenizer_facts(tokenizer) -> tuple[frozenset, bool]:
+    """Once per tokenizer: the ids that decode(skip_special_tokens=True) leaves out (the added tokens
+    marked special, found by decoding each special or added token both ways), and whether its
+    decoder is byte-level (the bytes of all tokens joined, then decoded lossily: Qwen's)."""
+    facts = _FACTS.get(tokenizer)
+    if facts is None:
         candidates = set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-        ids = frozenset(i for i in candidates if tokenizer.decode([i], skip_special_tokens=True) == ""
-                        and tokenizer.decode([i], skip_special_tokens=False) != "")
-        _SKIPPED_IDS[tokenizer] = ids
-    return ids
+        skipped = frozenset(i for i in candidates if tokenizer.decode([i], skip_special_tokens=True) == ""
+                            and tokenizer.decode([i], skip_special_tokens=False) != "")
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        facts = _FACTS[tokenizer] = (skipped, type(decoder).__name__ == "ByteLevel")
+    return facts
 
 
 class IncrementalDetokenizer:
@@ -39,7 +42,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
-        self.skipped = skipped_ids(tokenizer) if skip_special_tokens else frozenset()
+        skipped, self.byte_level = _tokenizer_facts(tokenizer)
+        self.skipped = skipped if skip_special_tokens else frozenset()
         self.stop = [s for s in (stop or []) if s]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.tokens: list[int] = []
@@ -72,6 +76,21 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.context[self.prefix_offset:self.read_offset])
         full = self._decode(self.context[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
+            if self.byte_level and len(self.context) - self.read_offset >= 4:
+                # Four tokens and still incomplete: no character is split that far, so bytes that
+                # can never complete one (' \xe2' repeated) keep the window open, and every token
+                # decoded all of it, quadratic, streaming nothing. With a byte-level decoder, text
+                # before a boundary that decodes the same split or joined is final: emit it. (The
+                # last token must have bytes: an id past the vocabulary decodes to nothing, and a
+                # character could still complete across it.)
+                head = self._decode(self.context[self.prefix_offset:-1])
+                tail = self._decode(self.context[-1:])
+                if tail and head + tail == full and len(head) >= len(prefix):
+                    self.prefix_offset, self.read_offset = self.read_offset, len(self.context) - 1
+                    out = self._append_text(head[len(prefix):])
+                    if self.stop and self.stopped_by is None:
+                        out += self._stop_before_incomplete(tail)
+                    return out
             if self.stop and len(full) > len(prefix):
                 return self._stop_before_incomplete(full[len(prefix):])
             return ""

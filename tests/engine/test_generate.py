@@ -503,31 +503,63 @@ def test_stop_string_in_a_token_that_starts_a_character_stops_there(tokenizer):
     assert cases > 3, "no token ended a stop string and started a character: the test tests nothing"
 
 
+class CountingTokenizer:
+    """A tokenizer that counts the token ids it is asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
 def test_skipped_special_tokens_do_not_grow_the_window(tokenizer):
     """A run of special tokens left out of the text (<|endoftext|> after the end, with ignore_eos)
     stayed in the decode window, which grew by one token a step: every token decoded the whole run
     (quadratic: 4096 of them took 1.7 s on the CPU, the serving loop stalled for every request)."""
-    class Counting:
-        def __init__(self, tok):
-            self.tok, self.decoded = tok, 0
-
-        def decode(self, ids, **kw):
-            self.decoded += len(ids)
-            return self.tok.decode(ids, **kw)
-
-        def __getattr__(self, name):
-            return getattr(self.tok, name)
-
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     text_ids = tokenizer(TEXTS[2], add_special_tokens=False)["input_ids"]
     ids = text_ids[:5] + [pad] * 1000 + text_ids[5:]
     for skip in (True, False):
-        counting = Counting(tokenizer)
+        counting = CountingTokenizer(tokenizer)
         detok = IncrementalDetokenizer(counting, [5, 6], skip_special_tokens=skip)
         deltas = [detok.add(t) for t in ids] + [detok.flush()]
         assert "".join(deltas) == detok.text == tokenizer.decode(ids, skip_special_tokens=skip)
         # Two decodes a token of a window of a few tokens (a character spans at most 4).
         assert counting.decoded <= 16 * len(ids), (skip, counting.decoded)
+
+
+def test_bytes_that_never_complete_a_character_stream_in_linear_time(tokenizer):
+    """A token repeated that starts a character and never completes it (' \\xc3' ' \\xc3' ...: a model
+    stuck repeating one token) kept the window ending in U+FFFD: nothing was streamed until the
+    end and every token decoded the whole run (quadratic: 2048 of them took 0.5 s on the CPU)."""
+    ids = [t for text in TEXTS for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    stuck = [t for t in dict.fromkeys(ids) if tokenizer.decode([t]).endswith("\ufffd") and len(tokenizer.decode([t])) > 1
+             and tokenizer.decode([t, t]) == 2 * tokenizer.decode([t])]
+    assert stuck, "no token starts a character it cannot complete by itself: the test tests nothing"
+    tail = tokenizer(TEXTS[1], add_special_tokens=False)["input_ids"]
+    for t in stuck[:3]:
+        for stop in (None, ["\x00never-matches"]):
+            run = [t] * 500 + tail
+            counting = CountingTokenizer(tokenizer)
+            detok = IncrementalDetokenizer(counting, [5, 6], stop=stop)
+            deltas = [detok.add(i) for i in run] + [detok.flush()]
+            assert "".join(deltas) == detok.text == tokenizer.decode(run)
+            assert "".join(deltas[:20]), "nothing streamed while the run went on"
+            assert counting.decoded <= 16 * len(run), (t, counting.decoded)
+    # Ids past the vocabulary (a model's padded rows) decode to nothing: a character split across
+    # a run of them still completes, however long the window gets.
+    past = len(tokenizer)
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for k in (k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")):
+            run = ids[:k] + [past] * 6 + ids[k:]
+            detok = IncrementalDetokenizer(tokenizer, [5, 6])
+            assert "".join([detok.add(i) for i in run] + [detok.flush()]) == tokenizer.decode(run) == text
 
 
 def test_incremental_detokenizer_prompt_ending_inside_a_character(tokenizer):
