@@ -153,15 +153,26 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
         n, L = len(ids), self.max_model_len
+        truncate = params.truncate_prompt_tokens
+        if n >= L and truncate is not None:
+            # The prompt was cut to truncate_prompt_tokens and is still too long: that setting is
+            # what to change (the prompt_token_ids error said "or set truncate_prompt_tokens",
+            # which was set).
+            raise InvalidRequestError("truncate_prompt_tokens", f"{truncate} keeps {n} prompt tokens, max_model_len "
+                                      f"is {L}; allowed: 1..{L - 1}")
         if n >= L:      # the prompt alone: no max_tokens would fit
             raise InvalidRequestError("prompt_token_ids", f"prompt has {n} tokens, max_model_len is {L}; allowed: at "
                                       f"most {L - 1} prompt tokens, to leave room for one new token (or set "
                                       "truncate_prompt_tokens to shorten the prompt)")
         if n + params.max_tokens > L:
-            hint = f"1..{L - n}"
+            if truncate is None:
+                hint = f"1..{L - n} (or set truncate_prompt_tokens to shorten the prompt)"
+            elif params.max_tokens < L:   # already set: how far to lower it
+                hint = f"1..{L - n} (or truncate_prompt_tokens 1..{L - params.max_tokens} to keep fewer prompt tokens)"
+            else:
+                hint = f"1..{L - n}"
             raise InvalidRequestError("max_tokens", f"prompt has {n} tokens and max_tokens is {params.max_tokens}, "
-                                      f"beyond max_model_len {L}; max_tokens allowed: {hint} (or set "
-                                      "truncate_prompt_tokens to shorten the prompt)")
+                                      f"beyond max_model_len {L}; max_tokens allowed: {hint}")
         params.validate_against_model(self.vocab_size)
         request = Request(request_id, ids, params, arrival_time=arrival_time,
                           eos_token_id=min(self.eos_token_ids) if self.eos_token_ids else None)

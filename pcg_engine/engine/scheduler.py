@@ -155,6 +155,11 @@ class Scheduler:
         total = request.max_total_tokens(cfg.max_model_len)
         if not self.fits_in_cache(total):
             most = self.block_manager.num_total_blocks * self.block_manager.block_size
+            truncate = request.sampling_params.truncate_prompt_tokens
+            if n >= most and truncate is not None:
+                # Cut to truncate_prompt_tokens and still too long: name the setting that kept them.
+                raise InvalidRequestError("truncate_prompt_tokens", f"{truncate} keeps {n} prompt tokens; the KV "
+                                          f"cache holds at most {most}; allowed: 1..{most - 1}")
             if n >= most:     # the prompt alone: no max_tokens would fit
                 raise InvalidRequestError("prompt_token_ids", f"prompt has {n} tokens; the KV cache holds at most "
                                           f"{most}; allowed: at most {most - 1} prompt tokens")

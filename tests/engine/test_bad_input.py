@@ -134,6 +134,21 @@ CASES = [
      r"detokenize is False; allowed: detokenize=True with stop, or stop_token_ids"),
     ("params-changed-detokenize", lambda e: e.add_request(_prompt(), _changed(stop=["x"], detokenize=False)),
      "stop", r"detokenize is False"),
+    # Found by probing: a truncate_prompt_tokens that keeps too many tokens was reported under
+    # prompt_token_ids with "or set truncate_prompt_tokens to shorten the prompt", which was set.
+    ("truncate-keeps-max-model-len", lambda e: e.add_request(_prompt(MAX_MODEL_LEN + 5), {
+        "max_tokens": 1, "truncate_prompt_tokens": MAX_MODEL_LEN}), "truncate_prompt_tokens",
+     rf"keeps {MAX_MODEL_LEN} prompt tokens, max_model_len is {MAX_MODEL_LEN}; allowed: 1\.\.{MAX_MODEL_LEN - 1}$"),
+    ("truncate-beyond-a-long-prompt", lambda e: e.add_request(_prompt(MAX_MODEL_LEN + 5), {
+        "max_tokens": 1, "truncate_prompt_tokens": MAX_MODEL_LEN + 9}), "truncate_prompt_tokens",
+     rf"keeps {MAX_MODEL_LEN + 5} prompt tokens, max_model_len is {MAX_MODEL_LEN}; allowed: 1\.\.{MAX_MODEL_LEN - 1}$"),
+    ("truncate-leaves-no-room-for-max-tokens", lambda e: e.add_request(_prompt(40), {
+        "max_tokens": MAX_MODEL_LEN - 20, "truncate_prompt_tokens": 30}), "max_tokens",
+     rf"max_tokens allowed: 1\.\.{MAX_MODEL_LEN - 30} \(or truncate_prompt_tokens 1\.\.20 to keep fewer prompt tokens\)$"),
+    ("truncate-keeps-more-than-the-kv-cache", lambda e: e.add_request(_prompt(600), {
+        "max_tokens": 1, "truncate_prompt_tokens": (NUM_KV_BLOCKS - 1) * 16}), "truncate_prompt_tokens",
+     rf"keeps {(NUM_KV_BLOCKS - 1) * 16} prompt tokens; the KV cache holds at most {(NUM_KV_BLOCKS - 1) * 16}; "
+     rf"allowed: 1\.\.{(NUM_KV_BLOCKS - 1) * 16 - 1}$"),
 ]
 
 
