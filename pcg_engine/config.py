@@ -116,11 +116,18 @@ class EngineConfig:
               "None (the bundled tiny model) or a checkpoint directory path")
         check("block_size", is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
               "a power of two from 1 to 128")
+        # Block 0 is the scratch block; the others must hold the smallest request, a 1-token prompt
+        # and the token it makes (Scheduler.check_request): with block_size 1, two blocks held one
+        # token, and the engine started only to refuse every request ("at most 0 prompt tokens").
+        least = 3 if self.block_size == 1 else 2
+        at_least = (f"{least}" if least == 2 else f"{least} with block_size 1 (block 0 is scratch; the others "
+                                                  "must hold 2 tokens: a 1-token prompt and one new token)")
         check("num_kv_blocks", self.num_kv_blocks is None or (is_int(self.num_kv_blocks)
-                                                                and self.num_kv_blocks >= 2), "None or an int >= 2")
+                                                                and self.num_kv_blocks >= least),
+              f"None or an int >= {at_least}")
         check("gpu_memory_utilization", is_real(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
               "a number in (0, 1]")
-        check("cpu_kv_blocks", is_int(self.cpu_kv_blocks) and self.cpu_kv_blocks >= 2, "an int >= 2")
+        check("cpu_kv_blocks", is_int(self.cpu_kv_blocks) and self.cpu_kv_blocks >= least, f"an int >= {at_least}")
         check("max_num_seqs", is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 4096, "1..4096")
         check("max_num_batched_tokens", is_int(self.max_num_batched_tokens)
               and 1 <= self.max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS, f"1..{MAX_NUM_BATCHED_TOKENS}")

@@ -66,6 +66,24 @@ def test_sizes_beyond_their_bound_are_refused(field, value, allowed):
     assert e.value.field == field and str(e.value) == f"{field}: got {value}; allowed: {allowed}"
 
 
+@pytest.mark.parametrize("field", ["num_kv_blocks", "cpu_kv_blocks"])
+def test_a_kv_cache_too_small_for_any_request_is_refused(tiny_paths, field):
+    """Found by probing: num_kv_blocks=2 with block_size=1 left one usable token (block 0 is the
+    scratch block) and the engine started, then refused every request, a 1-token prompt with
+    max_tokens=1 included, with "allowed: at most 0 prompt tokens". The smallest caches allowed
+    serve that request."""
+    from engine_helpers import assert_drained, make_llm
+    from pcg_engine.sampling_params import SamplingParams
+    with pytest.raises(ConfigError, match=rf"^{field}: got 2; allowed: .*>= 3 with block_size 1 ") as e:
+        EngineConfig(**{field: 2, "block_size": 1})
+    assert e.value.field == field
+    for block_size, blocks in ((1, 3), (2, 2)):
+        llm = make_llm(tiny_paths["tiny-qwen3"], block_size=block_size, **{field: blocks})
+        out = llm.generate([[5]], SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))[0]
+        assert len(out.token_ids) == 1 and out.finish_reason == "length"
+        assert_drained(llm.engine)
+
+
 def test_the_largest_step_budget_is_taken(tiny_paths):
     """At the bound the engine starts (its per-token buffers ~32 MB) and serves."""
     from engine_helpers import make_llm
