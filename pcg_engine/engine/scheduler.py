@@ -155,7 +155,8 @@ class Scheduler:
         total = request.max_total_tokens(cfg.max_model_len)
         if not self.fits_in_cache(total):
             most = self.block_manager.num_total_blocks * self.block_manager.block_size
-            truncate = request.sampling_params.truncate_prompt_tokens
+            # (getattr: the scheduler asks only max_tokens of its requests' parameters elsewhere)
+            truncate = getattr(request.sampling_params, "truncate_prompt_tokens", None)
             if n >= most and truncate is not None:
                 # Cut to truncate_prompt_tokens and still too long: name the setting that kept them.
                 raise InvalidRequestError("truncate_prompt_tokens", f"{truncate} keeps {n} prompt tokens; the KV "
