@@ -19,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pcg_engine.bench.common import replay_us
 from pcg_engine.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
 SHAPES = {  # name -> (N, K)
@@ -44,15 +45,7 @@ def ring_time_us(fn_for, weights, reps: int = 20) -> float:
     with torch.cuda.graph(graph):
         for w in weights:
             fn_for(w)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(weights))
+    return replay_us(graph, reps, warm=1) / len(weights)
 
 
 def main(argv=None) -> int:

@@ -484,10 +484,10 @@ def graph_of_calls(fn, calls: int):
     return graph
 
 
-def replay_us(graph, replays: int) -> float:
-    """Mean GPU µs of one replay of a captured graph, over `replays` back to back after 20 warm ones."""
+def replay_us(graph, replays: int, warm: int = 20) -> float:
+    """Mean GPU µs of one replay of a captured graph, over `replays` back to back after `warm` ones."""
     import torch
-    for _ in range(20):
+    for _ in range(warm):
         graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
