@@ -13,11 +13,24 @@ import sys
 import time
 
 
+# generate's flags that are SamplingParams fields of the same name (a JSONL line may set each for
+# its prompt), and EngineConfig fields passed on only when given.
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "min_tokens", "logprobs", "seed", "ignore_eos", "stop", "stop_token_ids",
+                  "skip_special_tokens", "truncate_prompt_tokens")
+FLAG_NAMES = {"stop_token_ids": "--stop-token-id"}     # fields whose flag is not --field-name
+ENGINE_FLAGS = ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "attention_backend",
+                "compile_cache_dir")
+
+
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", default=None, help="one prompt per line, or JSONL with a 'prompt' field (sampling comes from the flags); - reads stdin")
+    p.add_argument("--prompts-file", default=None,
+                   help="one prompt per line, or JSONL with a 'prompt' field and, optionally, sampling fields of "
+                        "that prompt's own (\"max_tokens\", \"temperature\", ...: any SamplingParams field; the "
+                        "flags give the rest); - reads stdin")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -29,6 +42,17 @@ def _add_generate(sub):
                    help="keep only the last N tokens of a longer prompt (one past the context is refused otherwise)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable; TEXT is left out of the output)")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each output token's logprob and the N most likely tokens' (in --json's output)")
+    p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=None, metavar="ID",
+                   help="stop at this token id (repeatable; kept in token_ids, left out of the text)")
+    p.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
+                   help="write special tokens (<|im_end|>, ...) into the output text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--json", action="store_true", help="machine-readable output, one JSON object per prompt")
     p.add_argument("--mode", default="auto", help="eager, compile, full_decode, piecewise, full_and_piecewise, auto")
@@ -37,39 +61,54 @@ def _add_generate(sub):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    # Engine settings left unset keep EngineConfig's defaults (config.py).
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens a step may hold (default 2048)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens a KV block holds (default 16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the GPU's memory the engine may fill, KV cache included (default 0.85)")
+    p.add_argument("--attention-backend", default=None, help="auto, torch, triton")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="overlap a step's planning with the previous step's GPU work (auto: on for CUDA)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks of a prompt prefix computed before")
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="compiled modes: compile afresh, save nothing")
+    p.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                   help="where compiled modes keep their compiled code (default ~/.cache/pcg_engine/compile)")
     p.add_argument("--dump-graph", default=None, metavar="DIR",
                    help="compiled modes: write the traced graph, the split graph and each piece's code to DIR "
                         "(this start traces afresh, under its own compile-cache entry: the first such start compiles)")
     p.set_defaults(func=cmd_generate)
 
 
-def _read_prompts(args, sources: list | None = None) -> list[str]:
+def _read_prompts(args, sources: list | None = None, overrides: list | None = None) -> list[str]:
     """The prompts of --prompt and --prompts-file; where each came from ("--prompt #2",
-    "--prompts-file: line 7") is appended to `sources` when given, for the errors that name one."""
-    from pcg_engine.prompt_files import parse_json, read_lines, sampling_field
+    "--prompts-file: line 7") is appended to `sources` when given, for the errors that name one,
+    and each prompt's own sampling fields (a JSONL line's; None for the others) to `overrides`."""
+    from pcg_engine.prompt_files import parse_json, read_lines
+    from pcg_engine.sampling_params import SamplingParams
+    names = SamplingParams.field_names()
     prompts = list(args.prompt)
     if sources is not None:
         sources += ["--prompt" if len(prompts) == 1 else f"--prompt #{i + 1}" for i in range(len(prompts))]
+    if overrides is not None:
+        overrides += [None] * len(prompts)
     if args.prompts_file:
         for number, line in read_lines(args.prompts_file, "--prompts-file"):
+            own = None
             if line.lstrip().startswith("{"):
                 obj = parse_json(line, number, "--prompts-file")
                 if "prompt" not in obj:
                     raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field: {line[:80]}")
-                # {"prompt": ..., "max_tokens": 5} ran with --max-tokens' value, the line's dropped
-                # without a word: every prompt takes the flags' sampling parameters.
-                # A load-test dataset's line ({"prompt": ..., "output_len": 5}) ran with --max-tokens'
-                # value too, its output length dropped the same way.
-                own = sampling_field(obj) or ("output_len" if "output_len" in obj else None)
-                if own == "output_len":
+                # A load-test dataset's line ({"prompt": ..., "output_len": 5}): its output length is
+                # not a sampling field, and running it with --max-tokens' value dropped it silently.
+                if "output_len" in obj:
                     raise SystemExit(f"--prompts-file: line {number}: 'output_len' (a load-test dataset's output "
-                                     "length) is not read from a prompt line; every prompt takes the flags' "
-                                     "sampling parameters (give --max-tokens for all)")
-                if own is not None:
-                    flag = f"--{own.replace('_', '-')}"
-                    raise SystemExit(f"--prompts-file: line {number}: {own!r} is not read from a prompt line; every "
-                                     "prompt takes the flags' sampling parameters" +
-                                     (f" (give {flag} for all)" if hasattr(args, own) else ""))
+                                     "length) is not read from a prompt line; give the line \"max_tokens\" "
+                                     "(or --max-tokens for all)")
+                # The line's sampling fields override the flags for its prompt; other keys (a dataset's
+                # "id") are ignored. Checked by SamplingParams when the prompt's parameters are made.
+                own = {k: v for k, v in obj.items() if k in names} or None
                 prompt = obj["prompt"]
                 # Text, or token ids as a list: a bare number would join its neighbours into one
                 # token-id prompt (generate() reads a list of ints as one prompt).
@@ -82,6 +121,8 @@ def _read_prompts(args, sources: list | None = None) -> list[str]:
                 prompts.append(line)
             if sources is not None:
                 sources.append(f"--prompts-file: line {number}")
+            if overrides is not None:
+                overrides.append(own)
     if not prompts:
         if args.prompts_file:   # (it said "give --prompt or --prompts-file" to one who had given the file)
             raise SystemExit(f"--prompts-file: {args.prompts_file} holds no prompt (every line is blank); "
@@ -96,11 +137,31 @@ def _name_the_flag(error: Exception, has_flag) -> str:
     field = getattr(error, "field", None)
     text = str(error)
     if field and has_flag(field) and text.startswith(f"{field}: "):
-        return f"--{field.replace('_', '-')} ({field}): {text[len(field) + 2:]}"
+        flag = FLAG_NAMES.get(field, f"--{field.replace('_', '-')}")
+        return f"{flag} ({field}): {text[len(field) + 2:]}"
     return text
 
 
-def _check_prompts(llm, prompts: list, params) -> None:
+def _params_per_prompt(base: dict, overrides: list) -> list:
+    """Each prompt's SamplingParams: the flags' (`base`), with a JSONL line's own fields over them.
+    A refused line field is named by the line (prompt_index), not by the flag of the same name."""
+    from pcg_engine.errors import InvalidRequestError
+    from pcg_engine.sampling_params import SamplingParams
+    shared = SamplingParams(**base)        # the flags' values are checked (and named) even if every line overrides them
+    out = []
+    for i, own in enumerate(overrides):
+        if not own:
+            out.append(shared)
+            continue
+        try:
+            out.append(SamplingParams(**{**base, **own}))
+        except InvalidRequestError as e:
+            e.prompt_index = i
+            raise
+    return out
+
+
+def _check_prompts(llm, prompts: list, params: list) -> None:
     """--stream runs the prompts one after another: refuse a bad one before any runs, as
     LLM.generate does for the whole batch. Each request is added (the engine's own checks) and
     dropped at once, before any step: it holds no KV block and leaves no output behind."""
@@ -109,7 +170,7 @@ def _check_prompts(llm, prompts: list, params) -> None:
         return
     for i, prompt in enumerate(prompts):
         try:
-            rid = llm.engine.add_request(prompt, params)
+            rid = llm.engine.add_request(prompt, params[i])
         except InvalidRequestError as e:
             error = InvalidRequestError(e.field, f"{e.message} (prompt {i} of {len(prompts)}; none of them was run)")
             error.prompt_index = i
@@ -140,17 +201,19 @@ def cmd_generate(args) -> int:
 
     from pcg_engine.errors import InvalidRequestError, PcgError
     from pcg_engine.llm import LLM
-    from pcg_engine.sampling_params import SamplingParams
 
     err = Console(stderr=True)
     sources: list[str] = []
-    prompts = _read_prompts(args, sources)
+    overrides: list[dict | None] = []
+    prompts = _read_prompts(args, sources, overrides)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop,
-                                truncate_prompt_tokens=args.truncate_prompt_tokens)
+        base = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+        params = _params_per_prompt(base, overrides)
         config = dict(device=args.device, dtype=args.dtype, mode=args.mode, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
+                      max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
+                      enable_prefix_caching=args.enable_prefix_caching, compile_cache=args.compile_cache,
+                      async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+        config.update({name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None})
         if args.dump_graph:
             # A saved trace keeps Inductor's code, not the pieces' FX graphs: trace this start
             # (compile/saved_trace.py). The switch is part of the compile cache's key, so the first
@@ -187,7 +250,7 @@ def cmd_generate(args) -> int:
             for i, prompt in enumerate(prompts):
                 final = None
                 try:
-                    for delta in llm.stream(prompt, params):
+                    for delta in llm.stream(prompt, params[i]):
                         if not args.json:
                             sys.stdout.write(delta.new_text)
                             sys.stdout.flush()
@@ -199,14 +262,17 @@ def cmd_generate(args) -> int:
                     sys.stdout.write("\n")
                 outs.append(final)
         else:
-            outs = llm.generate(prompts, params)
+            outs = llm.generate(prompts, params[0] if all(p is params[0] for p in params) else params)
         gen_s = time.perf_counter() - t1
     except (PcgError, ValueError) as e:
         # A refused prompt among several, or from the file: where it came from, since "prompt 5"
         # or the field 'prompt' (the --prompt flag, before) does not say which line it is.
         index = getattr(e, "prompt_index", None)
         source = sources[index] if index is not None and (len(prompts) > 1 or args.prompts_file) else None
-        text = _name_the_flag(e, lambda field: hasattr(args, field) and (source is None or field != "prompt"))
+        # A field the prompt's own JSONL line set is the line's, not the flag's of the same name.
+        own = (overrides[index] or {}) if index is not None and index < len(overrides) else {}
+        text = _name_the_flag(e, lambda field: hasattr(args, field) and field not in own
+                              and (source is None or field != "prompt"))
         if source is not None:
             # generate()'s "(prompt 0 of 2; ...)" counts from 0: beside "--prompt #1" or a file's
             # line it named the same prompt by a second, different number
@@ -217,10 +283,13 @@ def cmd_generate(args) -> int:
         return 2
     for prompt, out in zip(prompts, outs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason,
-                              "ttft_s": out.metrics.ttft,
-                              "e2e_s": (out.metrics.finish_time or 0) - out.metrics.arrival_time}))
+            obj = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                   "finish_reason": out.finish_reason,
+                   "ttft_s": out.metrics.ttft,
+                   "e2e_s": (out.metrics.finish_time or 0) - out.metrics.arrival_time}
+            if out.logprobs is not None:       # --logprobs, or the line's "logprobs"
+                obj["logprobs"] = out.logprobs
+            print(json.dumps(obj))
         elif not args.stream:
             print(out.text)
     ntok = sum(len(o.token_ids) for o in outs)

@@ -45,9 +45,9 @@ def parse_json(line: str, number: int, flag: str):
 
 
 def sampling_field(obj: dict) -> str | None:
-    """The first key of a JSON line that names a SamplingParams field, if any. Neither command reads
-    sampling from a line (generate takes its flags', a dataset gives only output_len), and such a
-    key was dropped without a word: each caller refuses the line, naming it."""
+    """The first key of a JSON line that names a SamplingParams field, if any. A load-test dataset
+    gives only output_len, and such a key was dropped without a word: the load test refuses the
+    line, naming it. (`pcg generate` reads them as the prompt's own sampling parameters.)"""
     from pcg_engine.sampling_params import SamplingParams
     names = SamplingParams.field_names()
     return next((k for k in obj if k in names), None)

@@ -216,27 +216,21 @@ def test_prompts_file_without_a_prompt_is_named(tmp_path, content):
         _read_prompts(argparse.Namespace(prompt=[], prompts_file=None))
 
 
-def test_prompts_file_line_with_its_own_sampling_parameter_is_refused(tmp_path):
-    """Found by probing: {"prompt": "hi", "max_tokens": 3} ran with --max-tokens' value, the line's
-    dropped without a word. Other fields (a dataset's "id") are still ignored."""
+def test_prompts_file_line_sampling_fields_are_read_and_output_len_is_refused(tmp_path):
+    """{"prompt": "hi", "max_tokens": 3} once ran with --max-tokens' value, the line's dropped without
+    a word; such a line is now the prompt's own parameter (test_cli_generate_flags.py runs it).
+    Other fields (a dataset's "id") are ignored; a load-test dataset's output_len is refused."""
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "a", "id": 7}\n{"prompt": "b", "max_tokens": 3}\n')
-    args = argparse.Namespace(prompt=[], prompts_file=str(path), max_tokens=32)
-    with pytest.raises(SystemExit, match=r"^--prompts-file: line 2: 'max_tokens' is not read from a prompt line; "
-                                         r"every prompt takes the flags' sampling parameters \(give --max-tokens "
-                                         r"for all\)$"):
-        _read_prompts(args)
-    path.write_text('{"prompt": "b", "logprobs": 2}\n')       # no flag for it
-    with pytest.raises(SystemExit, match=r"line 1: 'logprobs' is not read from a prompt line; every prompt takes "
-                                         r"the flags' sampling parameters$"):
-        _read_prompts(args)
-    # a load-test dataset's line: its output length was dropped the same way
+    path.write_text('{"prompt": "a", "id": 7}\n{"prompt": "b", "max_tokens": 3, "logprobs": 2}\n')
+    args = argparse.Namespace(prompt=["c"], prompts_file=str(path), max_tokens=32)
+    overrides = []
+    assert _read_prompts(args, overrides=overrides) == ["c", "a", "b"]
+    assert overrides == [None, None, {"max_tokens": 3, "logprobs": 2}]
     path.write_text('{"prompt": "b", "output_len": 2}\n')
     with pytest.raises(SystemExit, match=r"line 1: 'output_len' \(a load-test dataset's output length\) is not read "
-                                         r"from a prompt line; .*\(give --max-tokens for all\)$"):
+                                         r"from a prompt line; give the line \"max_tokens\" \(or --max-tokens for "
+                                         r"all\)$"):
         _read_prompts(args)
-    path.write_text('{"prompt": "a", "id": 7}\n')
-    assert _read_prompts(args) == ["a"]
 
 
 @pytest.mark.parametrize("name", ["missing.txt", "."])
