@@ -83,14 +83,24 @@ def _config_json(hf_config) -> str:
     return json.dumps(vars(hf_config), sort_keys=True, default=str)
 
 
+def _device_key(device: torch.device) -> str:
+    """The device as the saved code sees it. A CUDA device by its index too: the saved trace and
+    the pieces are made for the device they were traced on, so two GPUs of one model in one host
+    (cuda:0, cuda:1) get an entry each instead of one each start would find traced for the other.
+    (Under CUDA_VISIBLE_DEVICES each process's GPU is cuda:0 to it, and one entry serves them all.)"""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index}:{torch.cuda.get_device_name(index)}"
+
+
 def cache_fields(runner, buckets, decode_buckets) -> dict:
-    device = runner.device
     return {
         "format": FORMAT,
         "model_config": _config_json(runner.hf_config),
         "sources": source_hash(),
         **_versions(),
-        "device": device.type if device.type != "cuda" else f"cuda:{torch.cuda.get_device_name(device)}",
+        "device": _device_key(runner.device),
         "dtype": str(runner.dtype),
         "buckets": list(buckets or []),
         "decode_buckets": list(decode_buckets or []),

@@ -110,6 +110,16 @@ def test_different_fields_use_another_entry(tmp_path):
     assert b.open() == "miss" and b.entry != a.entry and a.entry.exists()
 
 
+def test_each_gpu_index_gets_its_own_entry(monkeypatch):
+    """Two GPUs of the same model shared one entry (the key named the device by model only): a start
+    on cuda:1 found the trace made on cuda:0. "cuda" alone is the current device."""
+    from pcg_engine.compile import cache as cache_mod
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    keys = [cache_mod._device_key(torch.device(d)) for d in ("cuda:0", "cuda:1", "cuda", "cpu")]
+    assert keys == ["cuda:0:NVIDIA H200", "cuda:1:NVIDIA H200", "cuda:1:NVIDIA H200", "cpu"]
+
+
 def test_refuses_group_or_world_writable_dir(tmp_path):
     root = tmp_path / "shared"
     root.mkdir()
