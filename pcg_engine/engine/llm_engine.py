@@ -327,6 +327,13 @@ class LLMEngine:
                 if self.inflight is not None:
                     outputs += self._resolve(self.inflight)
                 self.inflight = launched
+                if launched is not None and not self.requests:
+                    # The read-back finished every request of the step just launched: nothing will
+                    # use its tokens. Read it now, on an engine with nothing left to run, so that
+                    # has_unfinished_requests() is False when generate() or a stream returns, not
+                    # one idle step() later (a wait of at most that step's GPU time).
+                    self.inflight = None
+                    outputs += self._resolve(launched)
             elif launched is not None:
                 outputs += self._resolve(launched)
         except BaseException:

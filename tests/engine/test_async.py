@@ -356,6 +356,9 @@ def test_request_id_reused_while_old_token_in_flight(how, dense_path):
     ref = [o.token_ids for o in llm.generate(prompts, greedy(N, ignore_eos=True, logprobs=1))]
     stop = ref[0][2]
     assert stop not in ref[0][:2]
+    # A request running on meanwhile: with nobody left, the step that reads the stop back would
+    # settle the one it launched at once (test_last_finish_settles_the_step_in_flight).
+    engine.add_request(prompts[1], greedy(N + 10, ignore_eos=True), request_id="bg")
     engine.add_request(prompts[0], greedy(N, ignore_eos=True, stop_token_ids=[stop] if how == "stop" else None,
                                           logprobs=1), request_id="x")
     old = engine.requests["x"]
@@ -420,4 +423,36 @@ def test_reset_prefix_cache_after_the_last_request_left_with_a_token_in_flight(h
     assert_drained(engine)
     cold = llm.generate([prompt], greedy(ignore_eos=True))[0]
     assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("how", ["generate", "stream", "step"])
+def test_last_finish_settles_the_step_in_flight(how, dense_path):
+    """Async: a request ended by a stop token has one more step launched for it when its stop is
+    read back. That step used to stay in flight after generate() or a stream returned, so
+    has_unfinished_requests() said True on an engine with no request, until an idle step() read it.
+    It is now read at once; the tokens are those of the sync engine."""
+    prompts = random_prompts([9, 14], seed=41)
+    sync = make_llm(dense_path, async_scheduling=False)
+    ref = [o.token_ids for o in sync.generate(prompts, greedy(N, ignore_eos=True))]
+    # Each stops at its first token from index 2 on that it has not produced before.
+    params = [greedy(N, ignore_eos=True, stop_token_ids=[next(t for k, t in enumerate(r) if k >= 2 and t not in r[:k])])
+              for r in ref]
+    want = [o.token_ids for o in sync.generate(prompts, params)]
+    assert all(2 < len(w) < N for w in want)
+    llm = make_llm(dense_path, async_scheduling=True)
+    engine = llm.engine
+    if how == "generate":
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    elif how == "stream":
+        got = [list(llm.stream(p, sp))[-1].token_ids for p, sp in zip(prompts, params)]
+    else:
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        finals = {}
+        while engine.requests:      # a caller's own loop, stopping when its requests are done
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        got = [finals[r].token_ids for r in ids]
+    assert got == want
+    assert engine.inflight is None and not engine.has_unfinished_requests()
+    assert engine.step() == []
     assert_drained(engine)
