@@ -13,6 +13,7 @@ step does here is select rows and count tokens; the sampler and the processors o
 
 from __future__ import annotations
 
+from hashlib import sha256
 from typing import NamedTuple, Sequence
 
 import torch
@@ -41,8 +42,19 @@ class SamplingRow(NamedTuple):
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The private random stream of a seeded request; keep it for the request's lifetime."""
     g = torch.Generator(device=device)
-    g.manual_seed(seed)
+    g.manual_seed(_cpu_seed(seed) if g.device.type == "cpu" else seed)
     return g
+
+
+def _cpu_seed(seed: int) -> int:
+    """torch's CPU generator (mt19937) keeps only a seed's low 32 bits: seeds that differed above
+    them (1 and 2**32 + 1) drew the same tokens. A seed at or past 2**32 (negative ones as
+    manual_seed reads them, modulo 2**64) is hashed down to 32 bits instead; smaller seeds are
+    kept, so their streams are unchanged. (CUDA's generator takes all 64 bits.)"""
+    seed %= 2**64
+    if seed < 2**32:
+        return seed
+    return int.from_bytes(sha256(seed.to_bytes(8, "little")).digest()[:4], "little")
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

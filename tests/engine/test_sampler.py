@@ -296,6 +296,22 @@ def test_seeded_rows_reproduce_whatever_the_batch(device, persistent):
     assert one["c"] != two["c"]  # unseeded rows follow the shared stream
 
 
+def test_seeds_that_differ_only_above_32_bits_draw_differently(device):
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 1, 2**32 + 1 and 2**40 + 1 drew the
+    same tokens on the CPU. A seed below 2**32 keeps torch's own stream for it."""
+    from pcg_engine.engine.sampling_tensors import make_generator
+    V, steps = 4000, 6
+    # (names ending in 2s share the logits of the name without them: only the seeds differ)
+    reqs = {"x": SP(seed=1), "x2": SP(seed=2**32 + 1), "x22": SP(seed=2**40 + 1), "x222": SP(seed=-(2**63) + 1),
+            "x2222": SP(seed=1)}
+    got = run_batches(list(reqs), reqs, steps, V, device, True)
+    assert len({tuple(got[k]) for k in reqs}) == 4 and got["x"] == got["x2222"]
+    for seed in (0, 7, 2**32 - 1):
+        g = make_generator(seed, device)
+        assert torch.equal(torch.rand(4, generator=g, device=device),
+                           torch.rand(4, generator=torch.Generator(device=device).manual_seed(seed), device=device))
+
+
 # -- logprobs --------------------------------------------------------------------------------------
 
 def test_logprobs_are_raw_log_softmax(device):
