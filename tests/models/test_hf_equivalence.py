@@ -436,6 +436,30 @@ def test_integer_weight_is_refused(ckpt_copy):
     assert "allowed: F16, BF16, F32, F64" in msg
 
 
+@pytest.mark.parametrize("value, dtype", [(float("nan"), torch.float32), (float("inf"), torch.float32),
+                                          (-float("inf"), torch.float32), (1e39, torch.float64)],
+                         ids=["nan", "inf", "-inf", "beyond-fp32"])
+def test_non_finite_weight_is_refused(ckpt_copy, value, dtype):
+    """A NaN or infinite weight loaded silently and made every output garbage; so did a float64
+    value beyond float32's range, which the load turns into inf. Named with its file and count."""
+    def edit(tensors):
+        w = tensors[K].to(dtype)
+        w.view(-1)[torch.randint(w.numel(), (3,))] = value
+        tensors[K] = w
+    file = rewrite_weights(ckpt_copy, edit)
+    msg = load_error(ckpt_copy)
+    assert msg.startswith(f"{file}: tensor '{K}' holds ") and "NaN or infinite value(s) of" in msg, msg
+
+
+def test_huge_finite_weights_whose_sum_overflows_still_load(ckpt_copy):
+    """The check sums each tensor in float32; a sum that overflows with every value finite is not refused."""
+    def edit(tensors):
+        tensors[K] = torch.full_like(tensors[K], 3e38)
+    rewrite_weights(ckpt_copy, edit)
+    model = load_model(ckpt_copy, device="cpu", dtype=torch.float32)
+    assert torch.isfinite(model.model.layers[1].self_attn.qkv_proj.weight).all()
+
+
 @pytest.mark.parametrize("with_index", [False, True])
 def test_tensor_in_two_shards_is_refused(ckpt_copy, with_index):
     """Found by probing: a tensor stored in two shards loaded from whichever was read last (with an
