@@ -383,15 +383,25 @@ def print_table(rows, title):
     Console(width=170).print(table)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# --only's sections: the default set, then those that run only when named.
+DEFAULT_SECTIONS = ("norm", "activation", "moe", "attention", "graph_split")
+SECTIONS = DEFAULT_SECTIONS + ("argmax", "rope_attention")
+
+
+def main(argv=None, prog=None):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write every row and the versions here")
-    parser.add_argument("--only", metavar="SECTIONS", default="norm,activation,moe,attention,graph_split",
-                        help="comma-separated sections to run (default: all)")
+    parser.add_argument("--only", metavar="SECTIONS", default=",".join(DEFAULT_SECTIONS),
+                        help=f"comma-separated sections to run, from {', '.join(SECTIONS)} "
+                             f"(default: {','.join(DEFAULT_SECTIONS)})")
     parser.add_argument("--attention-sweep", choices=("none", "quick", "full"), default="quick",
                         help="decode launch variants (attention section): quick ~1 min, full every "
                              "variant at every shape")
     args = parser.parse_args(argv)
+    # Checked here, not on the GPU only: a misspelt section was a KeyError traceback there.
+    for name in args.only.split(","):
+        if name.strip() not in SECTIONS:
+            parser.error(f"--only: {name.strip()!r} is not a section; allowed: {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device here; these kernels are benchmarked on a GPU. Nothing measured.")
         return 0

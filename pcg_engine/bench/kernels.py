@@ -28,7 +28,10 @@ def main(argv=None) -> int:
     if entry is None:
         print(f"pcg bench kernels: {SCRIPT} has no main()", file=sys.stderr)
         return 2
-    if inspect.signature(entry).parameters:
+    params = inspect.signature(entry).parameters
+    if "prog" in params:     # its usage line then names this command, not the script
+        return entry(argv, prog="pcg bench kernels") or 0
+    if params:
         return entry(argv) or 0
     saved = sys.argv
     sys.argv = [str(SCRIPT)] + argv

@@ -499,6 +499,23 @@ def test_kernels_delegates_to_the_script(tmp_path, monkeypatch):
     assert kernels.main([]) == 2
 
 
+def test_kernels_help_names_the_command_and_a_bad_section_is_refused(capsys):
+    """Found by following the README: `pcg bench kernels --help` printed "usage: cli.py", its --only
+    said "(default: all)" while two sections (argmax, rope_attention) run only when named, and a
+    misspelt section ended in a KeyError traceback on a GPU (on the CPU: "Nothing measured", exit 0)."""
+    with pytest.raises(SystemExit) as exit_info:
+        kernels.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage: pcg bench kernels ")
+    assert "rope_attention" in out and "default: all" not in out
+    with pytest.raises(SystemExit) as exit_info:
+        kernels.main(["--only", "norm,attn"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "--only: 'attn' is not a section; allowed: norm, activation, moe, attention, graph_split, argmax, " \
+           "rope_attention" in err
+
+
 @pytest.mark.parametrize("name", ["load_test", "bench_throughput", "bench_latency", "bench_overhead",
                                   "bench_profile"])
 def test_wrapper_scripts(name, monkeypatch, capsys):
