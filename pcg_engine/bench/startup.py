@@ -35,7 +35,7 @@ import time
 
 from pcg_engine.bench.common import (directory_path, env_record, int_at_least, json_path, print_table, resolve_model,
                                      write_json)
-from pcg_engine.config import MODES
+from pcg_engine.config import MODES, EngineConfig
 
 _CHILD = """
 import json, os, sys, time
@@ -115,6 +115,16 @@ def _warm_ab(model: str, config: dict, root: str, prof, var: str, values: list[s
     return cold, primes, warm, runs
 
 
+def _check_config(config: dict) -> None:
+    """The settings ModelRunner checks without weights, checked here: a bad --device or
+    --max-num-seqs (or full_decode on the CPU) failed in the child, after its imports, with the
+    ConfigError's traceback. A ConfigError reaches `pcg bench`, which names the flag."""
+    cfg = EngineConfig(**config)
+    device_type = cfg.resolved_device().split(":")[0]
+    cfg.check_triton_usable(device_type)
+    cfg.check_mode_backend(device_type)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pcg bench startup", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-qwen3")
@@ -130,8 +140,9 @@ def main(argv=None) -> int:
     p.add_argument("--warm-repeats", type=int_at_least(1), default=2, help="rounds of --warm-ab (default 2)")
     p.add_argument("--no-cold-bytecode", action="store_true", help="skip the third run (cold, bytecode)")
     args = p.parse_args(argv)
-    model = resolve_model(args.model)
     config = {"mode": args.mode, "device": args.device, "max_num_seqs": args.max_num_seqs}
+    _check_config(config)
+    model = resolve_model(args.model)
     with tempfile.TemporaryDirectory(prefix="pcg-startup-") as root:
         os.chmod(root, 0o700)
         prof = (lambda name: os.path.join(args.profile_dir, f"{name}.txt")) if args.profile_dir else (lambda name: None)

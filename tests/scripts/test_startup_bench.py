@@ -56,3 +56,19 @@ def test_warm_ab_flag_is_checked(tmp_path):
     for bad in ("PCG_X", "PCG_X=1", "=0,1", "A-B=0,1"):
         with pytest.raises(SystemExit):
             startup.main(["--model", str(tmp_path), "--warm-ab", bad])
+
+
+def test_a_bad_setting_is_refused_naming_the_flag_before_any_run(monkeypatch, tmp_path, capsys):
+    """Found by following the README: `pcg bench startup --device gpu` (or --max-num-seqs 5000, or
+    --mode full_decode on the CPU) started a child process, which failed after its imports with a
+    ConfigError traceback ('start-up run failed (exit 1)'); now one line naming the flag, no child."""
+    import pytest
+    from pcg_engine.cli import main
+    FakeChild.envs.clear()
+    monkeypatch.setattr(startup.subprocess, "Popen", FakeChild)
+    for flags, expected in ((["--device", "gpu"], "error: --device (device): got 'gpu'; allowed: auto, cpu, cuda or cuda:N"),
+                            (["--max-num-seqs", "5000"], "error: --max-num-seqs (max_num_seqs): got 5000; allowed: 1..4096"),
+                            (["--device", "cpu", "--mode", "full_decode"], "error: --mode (mode): 'full_decode' replays")):
+        assert main(["bench", "startup", "--model", str(tmp_path), *flags]) == 2
+        assert capsys.readouterr().err.startswith(expected)
+    assert FakeChild.envs == []
