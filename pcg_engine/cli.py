@@ -3,7 +3,7 @@
     pcg generate --prompt "Hello"                  # bundled tiny model, built on first use
     pcg generate --model DIR --prompt hi --stream
     pcg make-model --preset qwen3-0.6b --out DIR
-    pcg bench {latency,throughput,load-test,overhead,profile,kernels} ...
+    pcg bench {latency,throughput,load-test,overhead,profile,kernels,load,startup} ...
 """
 
 import argparse
@@ -32,35 +32,36 @@ def _add_generate(sub):
                         "that prompt's own (\"max_tokens\", \"temperature\", ...: any SamplingParams field; the "
                         "flags give the rest); - reads stdin")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens a prompt, at most (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="in [0, 1e6]; default 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 (off, the default) or >= 1")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
                    help="keep only the last N tokens of a longer prompt (one past the context is refused otherwise)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable; TEXT is left out of the output)")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
+    p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1] (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="in [0.01, 100] (default 1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0: off)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens (default 0)")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="each output token's logprob and the N most likely tokens' (in --json's output)")
+                   help="0..20: each output token's logprob and the N most likely tokens' (in --json's output)")
     p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=None, metavar="ID",
                    help="stop at this token id (repeatable; kept in token_ids, left out of the text)")
     p.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
                    help="write special tokens (<|im_end|>, ...) into the output text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--json", action="store_true", help="machine-readable output, one JSON object per prompt")
-    p.add_argument("--mode", default="auto", help="eager, compile, full_decode, piecewise, full_and_piecewise, auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--mode", default="auto", help="eager, compile, full_decode, piecewise, full_and_piecewise, auto "
+                   "(the default: full_and_piecewise on CUDA, eager on the CPU)")
+    p.add_argument("--device", default="auto", help="auto (the default: cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (the default: bfloat16 on CUDA, float32 on the CPU), bfloat16, float16, float32")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's max_position_embeddings, at most 4096")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once, 1..4096 (default 64)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks of 16 tokens (default: what 85%% of the GPU's memory leaves; 512 on the CPU)")
     # Engine settings left unset keep EngineConfig's defaults (config.py).
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens a step may hold (default 2048)")
     p.add_argument("--block-size", type=int, default=None, help="tokens a KV block holds (default 16)")
