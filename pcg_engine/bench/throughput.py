@@ -129,7 +129,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-max", type=common.int_at_least(1), default=None, help="default 1024")
     p.add_argument("--input-len", type=common.int_at_least(1), default=None, help="instead of --input-min/max: len*(1±r)")
     p.add_argument("--output-len", type=common.int_at_least(1), default=None, help="instead of --output-min/max: len*(1±r)")
-    p.add_argument("--range-ratio", type=common.fraction, default=0.0)
+    p.add_argument("--range-ratio", type=common.fraction, default=0.0, help="in [0, 1): spreads --input-len / --output-len")
     p.add_argument("--temperature", type=common.temperature, default=0.0)
     p.add_argument("--warmup-prompts", type=common.int_at_least(0), default=4, help="short requests run before measuring")
     return p
@@ -150,6 +150,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         low, high = getattr(args, f"{kind}_min"), getattr(args, f"{kind}_max")
         if low > high:
             raise SystemExit(f"pcg bench throughput: --{kind}-min ({low}) must be <= --{kind}-max ({high})")
+    if args.range_ratio and args.input_len is None and args.output_len is None:
+        # (the ranges' uniform draws do not read it: it was dropped without a word)
+        raise SystemExit("pcg bench throughput: --range-ratio spreads --input-len and --output-len, and neither is "
+                         "given (the lengths come from --input-min..--input-max and --output-min..--output-max); "
+                         "give one of them, or leave out --range-ratio")
     return args
 
 

@@ -689,6 +689,19 @@ def test_benchmarks_refuse_bad_flags_before_building_an_engine(module, flags, mo
     assert "must be" in message
 
 
+def test_throughput_range_ratio_without_a_length_is_refused(monkeypatch):
+    """Found by following the help: --range-ratio spreads --input-len / --output-len, and with
+    neither (P2's ranges, --input-min..--input-max) it was dropped without a word."""
+    monkeypatch.setattr(common, "resolve_model", lambda *a, **k: pytest.fail("a model was resolved"))
+    with pytest.raises(SystemExit) as e:
+        throughput.main(["--model", "tiny-qwen3", "--device", "cpu", "--range-ratio", "0.5"])
+    assert str(e.value) == ("pcg bench throughput: --range-ratio spreads --input-len and --output-len, and "
+                            "neither is given (the lengths come from --input-min..--input-max and "
+                            "--output-min..--output-max); give one of them, or leave out --range-ratio")
+    args = throughput.parse_args(["--input-len", "64", "--range-ratio", "0.5"])    # with one, taken
+    assert args.range_ratio == 0.5
+
+
 def test_load_test_accepts_the_defaults():
     load_test.check_args(load_test.make_parser().parse_args([]))
 
