@@ -253,9 +253,21 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: b
             raise ValueError(f"skinny_gemm norm: residual {tuple(residual.shape)}, residual_out "
                              f"{tuple(residual_out.shape)} and norm weight {tuple(norm_weight.shape)} must match x "
                              f"{tuple(x.shape)}")
+        # The kernel reads the norm weight at unit stride and writes residual_out [M, K] at its row
+        # stride with unit columns: a strided weight view was read as the wrong elements, and a
+        # column-strided residual_out was written in the wrong places, both without an error.
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        norm_weight = norm_weight if norm_weight.stride(0) == 1 else norm_weight.contiguous()
+        if residual_out.stride(1) != 1 or residual_out.device != x.device:
+            raise ValueError(f"skinny_gemm norm: residual_out must be on {x.device} with unit-stride columns, "
+                             f"got stride {residual_out.stride()} on {residual_out.device}")
     else:
         residual, norm_weight, eps, residual_out = x, x, 0.0, x
+    # out is written at [M, N] with its row stride and unit columns: an out of another shape was
+    # written out of bounds (heap corruption on the CPU), a column-strided one scrambled.
+    if out is not None and (out.shape != (M, N) or out.stride(1) != 1 or out.device != x.device):
+        raise ValueError(f"skinny_gemm: out: expected [{M}, {N}] with unit-stride columns on {x.device}, "
+                         f"got {tuple(out.shape)} stride {out.stride()} on {out.device}")
     y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:
         return y

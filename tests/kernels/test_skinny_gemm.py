@@ -191,3 +191,28 @@ def test_preload_slices_fit_the_register_budget(monkeypatch):
     assert sg.preload_slices(2, 1024, 3000, 4) == 0      # a masked tail: no preload
     monkeypatch.setattr(sg, "_PRELOAD_WIDE", False)      # PCG_SKINNY_PRELOAD=0: session 5's rule
     assert sg.preload_slices(2, 1024, 2048, 4) == 0 and sg.preload_slices(4, 1024, 1024, 4) == 1
+
+
+def test_outputs_and_norm_weight_the_kernel_cannot_index_are_refused_or_copied(device, poison_empty):
+    """skinny_gemm took `out`, the norm weight and residual_out on trust: an out of another shape
+    was written out of bounds, a column-strided out or residual_out was scrambled, and a strided
+    norm-weight view was read as the wrong elements, all without an error."""
+    from pcg_engine.kernels.norm import add_rms_norm_ref
+    config = SkinnyConfig(8, 32, False)
+    x, w = torch.randn(3, 32, device=device), torch.randn(16, 32, device=device)
+    # (a larger out than [M, N] here, so that the unfixed launch overruns nothing)
+    for bad in (torch.zeros(4, 16, device=device), torch.zeros(16, 3, device=device).t()):
+        with pytest.raises(ValueError, match="out: expected"):
+            skinny_gemm(x, w, config, out=bad)
+    out = torch.full((3, 20), float("nan"), device=device)[:, 2:18]   # row-strided out: fine
+    assert skinny_gemm(x, w, config, out=out) is out
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w), **FP32)
+    residual = torch.randn(3, 32, device=device)
+    norm_weight = (torch.rand(64, device=device) + 0.5)[::2]           # a strided view: copied
+    with pytest.raises(ValueError, match="residual_out"):
+        skinny_gemm(x, w, config, norm=(residual, norm_weight, 1e-6, torch.zeros(32, 3, device=device).t()))
+    residual_out = torch.empty_like(x)
+    y = skinny_gemm(x, w, config, norm=(residual, norm_weight, 1e-6, residual_out))
+    h, new_residual = add_rms_norm_ref(x, residual, norm_weight, 1e-6)
+    torch.testing.assert_close(residual_out, new_residual, **FP32)
+    torch.testing.assert_close(y, torch.nn.functional.linear(h, w), **FP32)
