@@ -116,8 +116,11 @@ def _check_shapes(q, k, v, positions, cos_sin, slot_mapping, q_out, q_norm, k_no
             raise ValueError(f"{name}: expected [{T}] int32/int64, got {tuple(t.shape)} {t.dtype}")
     if cos_sin.dim() != 2 or cos_sin.shape[0] < 1 or cos_sin.shape[1] != D or cos_sin.stride(1) != 1:
         raise ValueError(f"cos_sin: expected [max_pos >= 1, {D}] (last dim contiguous), got {tuple(cos_sin.shape)}")
-    if q_out is not None and q_out.shape != q.shape:
-        raise ValueError(f"q_out: expected q's shape {tuple(q.shape)}, got {tuple(q_out.shape)}")
+    # The kernel writes q_out's head_dim at unit stride (only its row and head strides are passed):
+    # a q_out with a strided last dim (a permuted view) was filled in the wrong places, no error.
+    if q_out is not None and (q_out.shape != q.shape or q_out.stride(2) != 1):
+        raise ValueError(f"q_out: expected q's shape {tuple(q.shape)} with the last dim contiguous, "
+                         f"got {tuple(q_out.shape)} stride {q_out.stride()}")
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None and (w.shape != (D,) or w.stride(0) != 1):
             raise ValueError(f"{name}: expected [{D}] (head_dim) contiguous, got {tuple(w.shape)} "

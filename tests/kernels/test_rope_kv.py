@@ -119,3 +119,16 @@ def test_mismatched_arguments_are_refused_by_name():
     for name, change in bad.items():
         with pytest.raises(ValueError, match=f"^{name}: expected"):
             rope_and_write_kv(**{**base, **change})
+
+
+def test_q_out_with_a_strided_last_dim_is_refused():
+    """q_out was checked for q's shape only; the kernel writes its last dim at unit stride, so a
+    permuted view of the right shape was filled in the wrong places without an error."""
+    q, k, v, positions, cos_sin, slots, cache = _case(3, 2, 1, 16, torch.float32, 4, 6, 0, False)
+    q_out = torch.full((16, 2, 3), float("nan"), device=DEVICE).permute(2, 1, 0)
+    assert q_out.shape == q.shape and q_out.stride(2) != 1
+    with pytest.raises(ValueError, match="^q_out: expected"):
+        rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots, q_out=q_out)
+    row_strided = torch.full((3, 2, 24), float("nan"), device=DEVICE)[..., 4:20]   # last dim contiguous: fine
+    got = rope_and_write_kv(q, k, v, positions, cos_sin, cache.clone(), slots, q_out=row_strided)
+    torch.testing.assert_close(got, apply_rope(q, positions, cos_sin), atol=1e-5, rtol=1e-5)
