@@ -294,8 +294,6 @@ def _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, 
     T, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
-    assert num_heads % num_kv_heads == 0 and q.stride(2) == 1 and out.stride(2) == 1
-    assert kv_cache.stride(4) == 1 and block_table.stride(1) == 1
     if T == 0:
         return None
     if num_reqs == 0:  # nothing but padding rows
@@ -371,6 +369,15 @@ def _check_args(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_re
     check_index_tensor("query_start_loc", query_start_loc, 1, num_reqs + 1)
     check_index_tensor("seq_lens", seq_lens, 1, num_reqs)
     check_index_tensor("block_table", block_table, 2, num_reqs)
+    # The kernel walks head_dim (q, out, the cache) and a block-table row at unit stride: these were
+    # bare asserts (an AssertionError with no message, and no check at all under python -O, where
+    # the kernel then read and wrote the wrong elements), now errors that name the argument.
+    if q.shape[1] % kv_cache.shape[3]:
+        raise ValueError(f"kv_cache: expected a kv head count that divides q's {q.shape[1]} heads, "
+                         f"got {kv_cache.shape[3]}")
+    for name, t, dim in (("q", q, 2), ("out", out, 2), ("kv_cache", kv_cache, 4), ("block_table", block_table, 1)):
+        if t.stride(dim) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dim, got strides {t.stride()}")
 
 
 def _jit(kernel, grid, args, kwargs, slots: int, record: bool):

@@ -187,6 +187,29 @@ def test_mismatched_arguments_are_refused_by_name():
             unified_attention(*call)
 
 
+def test_strided_last_dims_and_head_counts_are_refused_by_name():
+    """The kernel walks head_dim and a block-table row at unit stride. These were bare asserts: an
+    AssertionError with no message (and, under python -O, no check: the wrong elements were read)."""
+    specs = [(3, 10), (1, 5)]
+    q, cache, meta = make_batch(specs, 4, 4, 4, 2, 32, torch.float32)
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.num_reqs, meta.max_query_len, 0.1)
+    last_strided = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)   # same shape, last dim strided
+    bad = {
+        "q": (last_strided(q), cache, torch.zeros_like(q), *args),
+        "out": (q, cache, last_strided(torch.zeros_like(q)), *args),
+        "kv_cache": (q, last_strided(cache), torch.zeros_like(q), *args),
+        "block_table": (q, cache, torch.zeros_like(q), meta.query_start_loc, meta.seq_lens,
+                        meta.block_table.t().contiguous().t(), *args[3:]),
+    }
+    for name, call in bad.items():
+        assert call[0].shape == q.shape
+        with pytest.raises(ValueError, match=f"^{name}: expected a contiguous last dim"):
+            unified_attention(*call)
+    three = torch.randn(4, 3, 32, device=DEVICE)   # 3 query heads over 2 kv heads
+    with pytest.raises(ValueError, match="^kv_cache: expected a kv head count"):
+        unified_attention(three, cache, torch.zeros_like(three), *args)
+
+
 def backend_step(backend, q, k, v, positions, out, cache, meta):
     """What one layer's two ops do (attention/op.py): RoPE + KV write, then attention into out."""
     T, D = q.shape[0], backend.head_dim
