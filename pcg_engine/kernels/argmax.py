@@ -27,6 +27,7 @@ import triton.language as tl
 from pcg_engine.kernels import fast_launch
 
 CHUNK = 2048
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # exact in the kernel's fp32 compare
 # PCG_TRITON_ARGMAX=0: greedy steps take torch.argmax (an A/B switch for benchmarks, read at import).
 ENABLED = os.environ.get("PCG_TRITON_ARGMAX", "1") != "0"
 
@@ -59,6 +60,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     A row of only -inf gives 0, as torch.argmax does."""
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax_rows: expected [R, V] with V > 0, got {tuple(x.shape)}")
+    # The kernel compares in fp32: float64 (or integer) values that differ below fp32's precision
+    # became ties and the first of them won (float64 [[1, 1 + 1e-12]] gave 0, torch.argmax 1).
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"argmax_rows: expected float32, float16 or bfloat16 logits, got {x.dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
     R, V = x.shape
@@ -105,7 +110,7 @@ _PLANS = fast_launch.LaunchCache(256)
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The engine's all-greedy sampling: these kernels for CUDA logits, torch.argmax elsewhere."""
-    if ENABLED and logits.is_cuda and logits.dim() == 2:
+    if ENABLED and logits.is_cuda and logits.dim() == 2 and logits.dtype in _DTYPES:
         return argmax_rows(logits)
     return logits.argmax(dim=-1)
 

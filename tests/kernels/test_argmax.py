@@ -40,6 +40,19 @@ def test_strided_rows_and_empty_batch():
         argmax_rows(torch.empty(3, device=DEVICE))
 
 
+def test_dtypes_the_fp32_compare_cannot_order_are_refused():
+    """The kernel compares in fp32: a float64 row whose maximum exceeds another value by less than
+    fp32 resolves, or int64 ids above 2**24, made ties, and the first one won silently."""
+    close = torch.tensor([[1.0, 1.0 + 1e-12, 0.5]], dtype=torch.float64, device=DEVICE)
+    ints = torch.tensor([[2 ** 30, 2 ** 30 + 1]], device=DEVICE)
+    for x in (close, ints):
+        assert x.argmax(dim=-1).item() == 1
+        with pytest.raises(ValueError, match="expected float32, float16 or bfloat16"):
+            argmax_rows(x)
+    from pcg_engine.kernels.argmax import greedy_tokens
+    assert greedy_tokens(close).item() == 1   # torch.argmax for those
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("rows", [1, 7, 256])
