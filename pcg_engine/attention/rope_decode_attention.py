@@ -37,7 +37,7 @@ import triton.language as tl
 
 from pcg_engine.attention.metadata import check_index_tensor
 from pcg_engine.attention.launch_config import _clamp_splits, host_cdiv, kernel_variant
-from pcg_engine.attention.rope_kv import _check_shapes, _head_rms_norm
+from pcg_engine.attention.rope_kv import _check_cache, _check_shapes, _head_rms_norm
 from pcg_engine.attention.triton_attention import _INTERPRET, _attend_tiles, _merge_splits_kernel
 from pcg_engine.kernels import pdl
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
@@ -197,16 +197,17 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     """
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm, k_norm: give both per-head norm weights or neither")
-    T, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
-    assert num_heads % num_kv_heads == 0 and k.shape[1] == num_kv_heads and kv_cache.shape[4] == head_dim
-    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(2) == 1
-    if not 1 <= num_reqs <= T:
-        raise ValueError(f"num_reqs: {num_reqs} must be in 1..{T} (one decode token a request)")
     # The kernel indexes everything with q's T and head_dim and num_reqs (as rope_kv's and
     # unified_attention's launchers check): a mismatch would be read or written out of bounds.
     _check_shapes(q, k, v, positions, cos_sin, slot_mapping, q_out, q_norm, k_norm)
+    _check_cache(kv_cache, k.shape[1], q.shape[2])   # a one-plane cache had v written past its end
+    T, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} kv heads"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(2) == 1
+    if not 1 <= num_reqs <= T:
+        raise ValueError(f"num_reqs: {num_reqs} must be in 1..{T} (one decode token a request)")
     if out.shape != q.shape:
         raise ValueError(f"out: expected q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
     check_index_tensor("seq_lens", seq_lens, 1, num_reqs)

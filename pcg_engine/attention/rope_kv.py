@@ -127,6 +127,16 @@ def _check_shapes(q, k, v, positions, cos_sin, slot_mapping, q_out, q_norm, k_no
                              f"stride {w.stride()}")
 
 
+def _check_cache(kv_cache, num_kv_heads: int, head_dim: int) -> None:
+    """The kernels write v at k's address + stride(0) and take the heads and head_dim from k: a
+    cache with one plane ([1, NB, BS, Hk, D]) had v written past its end, and another head count or
+    layout failed a bare assert (an AssertionError with no message, no check under python -O)."""
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3] != num_kv_heads
+            or kv_cache.shape[4] != head_dim or kv_cache.stride(4) != 1):
+        raise ValueError(f"kv_cache: expected [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] (k's heads "
+                         f"and head_dim, last dim contiguous), got {tuple(kv_cache.shape)} stride {kv_cache.stride()}")
+
+
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       q_out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
@@ -145,7 +155,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     num_kv_heads = k.shape[1]
     assert head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
-    assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_dim and kv_cache.stride(4) == 1
+    _check_cache(kv_cache, num_kv_heads, head_dim)
     if q_out is None:
         q_out = torch.empty_like(q)
     if T == 0:

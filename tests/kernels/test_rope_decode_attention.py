@@ -181,6 +181,9 @@ def test_mismatched_arguments_are_refused_by_name():
         "out": dict(out=torch.zeros(4, 4, 32, device=DEVICE)),   # larger than q: no overrun here
         "seq_lens": dict(seq_lens=s["seq_lens"][:1]),
         "block_table": dict(block_table=s["block_table"][0]),
+        # one plane (a view of the two-plane cache, so the unfixed launch overran nothing): v was
+        # written at k + stride(0), past the cache's end, without an error
+        "kv_cache": dict(kv_cache=s["cache"][:1]),
     }
     for name, change in bad.items():
         with pytest.raises(ValueError, match=f"^{name}: expected"):

@@ -132,3 +132,14 @@ def test_q_out_with_a_strided_last_dim_is_refused():
     row_strided = torch.full((3, 2, 24), float("nan"), device=DEVICE)[..., 4:20]   # last dim contiguous: fine
     got = rope_and_write_kv(q, k, v, positions, cos_sin, cache.clone(), slots, q_out=row_strided)
     torch.testing.assert_close(got, apply_rope(q, positions, cos_sin), atol=1e-5, rtol=1e-5)
+
+
+def test_a_cache_without_two_planes_or_of_other_heads_is_refused():
+    """v is written at k's address + kv_cache.stride(0): a one-plane cache [1, NB, BS, Hk, D] had v
+    written past its end without an error; another head count failed a bare assert. (The one-plane
+    cache is a view of a two-plane buffer here, so the unfixed launch overruns nothing.)"""
+    q, k, v, positions, cos_sin, slots, cache = _case(3, 2, 1, 16, torch.float32, 4, 6, 0, False)
+    bad = {"one plane": cache[:1], "two kv heads": torch.zeros(2, 6, 4, 2, 16, device=DEVICE)}
+    for name, c in bad.items():
+        with pytest.raises(ValueError, match="^kv_cache: expected"):
+            rope_and_write_kv(q, k, v, positions, cos_sin, c, slots)
