@@ -6,6 +6,9 @@
         print(delta.new_text, end="")
 
 Keyword arguments are EngineConfig fields; an unknown one is refused by name.
+
+Threads may share an LLM: its calls take the engine's lock (LLMEngine), so they run one at a time;
+generate() holds it for its whole run, stream() for each of its steps.
 """
 
 import numbers
@@ -57,6 +60,14 @@ class LLM:
             # Before any request is queued: called only once a step has run, it raised a bare TypeError.
             raise InvalidRequestError("on_output", f"must be a callable taking a RequestOutput, or None; "
                                       f"got {type(on_output).__name__}")
+        # The engine's lock for the whole run: another thread's generate, stream step or engine
+        # call waits for it to end (this thread's on_output callback may use the engine). Taken
+        # per step only, two generate() calls each parked the other's final outputs in `others`
+        # until its own end, and both could end on "taken by another caller".
+        with self.engine.lock:
+            return self._generate(prompts, params, on_output)
+
+    def _generate(self, prompts, params, on_output) -> list[RequestOutput]:
         ids = []
         finals: dict[str, RequestOutput] = {}
         others: list[RequestOutput] = []
@@ -111,6 +122,10 @@ class LLM:
         would run (and swallow the outputs of) other requests in flight. A request whose step is
         in flight frees its blocks at once; the step's token is dropped when it is resolved.
         Errors here are not raised over the exception that stopped generate()."""
+        with self.engine.lock:
+            self._abandon_locked(ids)
+
+    def _abandon_locked(self, ids) -> None:
         for rid in ids:
             if rid in self.engine.requests:
                 try:
@@ -123,33 +138,37 @@ class LLM:
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one output per step that brought this request new tokens, the last one finished.
 
-        Other requests added to the engine meanwhile keep running alongside."""
+        Other requests added to the engine meanwhile keep running alongside. Each step holds the
+        engine's lock (not while the caller has the output: another thread's calls run then)."""
         rid = self.engine.add_request(prompt, sampling_params)
         done = False
         try:
             while True:
-                mine, others = [], []
-                for out in self.engine.step():
-                    (mine if out.request_id == rid else others).append(out)
-                # Other requests' outputs go back to the engine now, before yielding, not when this
-                # stream ends: while it is suspended, whoever steps next (another stream, most
-                # often) must get them. Kept here until the end, a stream iterated alternately with
-                # another lost the other's deltas, and when the other request's final output was
-                # among them, the other stream stepped an idle engine forever.
-                self.engine.pending_outputs[:0] = others
+                with self.engine.lock:
+                    mine, others = [], []
+                    for out in self.engine.step():
+                        (mine if out.request_id == rid else others).append(out)
+                    # Other requests' outputs go back to the engine now, before yielding, not when
+                    # this stream ends: while it is suspended, whoever steps next (another stream,
+                    # most often) must get them. Kept here until the end, a stream iterated
+                    # alternately with another lost the other's deltas, and when the other
+                    # request's final output was among them, the other stream stepped an idle
+                    # engine forever.
+                    self.engine.pending_outputs[:0] = others
                 for out in mine:
                     done = out.finished
                     yield out
                     if done:
                         return
-                if self.engine.closed:   # close() dropped its request: not someone else's step()
-                    raise EngineClosedError("stream")
-                if rid not in self.engine.requests and all(o.request_id != rid
-                                                           for o in self.engine.pending_outputs):
-                    # Finished, but its final output went to someone else's engine.step(): no
-                    # step will ever bring it here.
-                    raise RuntimeError(f"request {rid!r} of this stream finished, but its final output was "
-                                       "taken by another caller of engine.step()")
+                with self.engine.lock:
+                    if self.engine.closed:   # close() dropped its request: not someone else's step()
+                        raise EngineClosedError("stream")
+                    if rid not in self.engine.requests and all(o.request_id != rid
+                                                               for o in self.engine.pending_outputs):
+                        # Finished, but its final output went to someone else's engine.step(): no
+                        # step will ever bring it here.
+                        raise RuntimeError(f"request {rid!r} of this stream finished, but its final output "
+                                           "was taken by another caller of engine.step()")
         finally:
             # The caller stopped early: don't leak its blocks, nor leave its abort output behind.
             # Not once its final output is out: the id is free again, and a request that the

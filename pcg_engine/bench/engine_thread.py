@@ -1,7 +1,8 @@
 """The load test's serving loop: one background thread owns the engine; clients talk to it by queue.
 
-The engine is not thread-safe, so nothing but this thread touches it. A client thread calls
-`submit`, which stamps the submission time and puts the request on a queue.Queue; the engine thread
+Nothing but this thread touches the engine: the engine's lock would make a client's add_request
+safe too, but the client would wait for the step in flight. A client thread calls `submit`, which
+stamps the submission time and puts the request on a queue.Queue; the engine thread
 drains the queue into `add_request` (passing the submission time as arrival_time, so the engine's
 own RequestMetrics share the clock), runs `step()`, and stamps every token as it comes back.
 

@@ -6,6 +6,7 @@ request, row or KV block left behind).
 """
 
 import threading
+import time
 import traceback
 
 import pytest
@@ -91,3 +92,97 @@ def test_two_engines_in_two_threads(tiny_paths, preset, async_scheduling):
         assert got == want
     for llm in llms:
         assert_drained(llm.engine)
+
+
+# ---- one engine, several threads ------------------------------------------------------------------
+# The engine's lock serializes the calls (LLMEngine's docstring). Without it, the threads' steps
+# interleaved: IndexErrors deep in the forward, wrong tokens, rows of aborted requests left behind.
+
+ENGINES = [("tiny-qwen3", False), ("tiny-qwen3-moe", True)]
+
+
+@pytest.fixture(params=ENGINES, ids=lambda p: f"{p[0]}-{'async' if p[1] else 'sync'}")
+def llm_and_solo(request, tiny_paths):
+    preset, async_scheduling = request.param
+    llm = make_llm(tiny_paths[preset], async_scheduling=async_scheduling)
+    solo = {"A": tokens(llm.generate(PROMPTS_A, greedy())), "B": tokens(llm.generate(PROMPTS_B, greedy())),
+            "stream": tokens(llm.generate(PROMPTS_A[5], greedy(40)))[0]}
+    return llm, solo
+
+
+def test_two_threads_generate_on_one_llm(llm_and_solo):
+    llm, solo = llm_and_solo
+    for _ in range(3):
+        got = run_threads(lambda: tokens(llm.generate(PROMPTS_A, greedy())),
+                          lambda: tokens(llm.generate(PROMPTS_B, greedy())))
+        assert got == [solo["A"], solo["B"]]
+        assert_drained(llm.engine)
+
+
+def test_stream_beside_generate(llm_and_solo):
+    llm, solo = llm_and_solo
+
+    def stream():
+        deltas = [out.new_token_ids for out in llm.stream(PROMPTS_A[5], greedy(40))]
+        return [t for d in deltas for t in d]
+
+    for _ in range(3):
+        got = run_threads(stream, lambda: tokens(llm.generate(PROMPTS_B, greedy())))
+        assert got == [solo["stream"], solo["B"]]
+        assert_drained(llm.engine)
+
+
+def test_add_and_abort_while_another_thread_steps(llm_and_solo):
+    """A serving loop steps the engine in one thread; a client adds and aborts requests directly
+    from another (not through a queue as bench/engine_thread.py does)."""
+    llm, solo = llm_and_solo
+    engine = llm.engine
+    want = dict(zip((f"r{i}" for i in range(11)), solo["A"] + solo["B"]))
+    for _ in range(3):
+        finals, added = {}, threading.Event()
+
+        def loop():
+            while not added.is_set() or engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+
+        def client():
+            try:
+                for i, prompt in enumerate(PROMPTS_A + PROMPTS_B):
+                    engine.add_request(prompt, greedy(), request_id=f"r{i}")
+                engine.add_request(PROMPTS_B[4], greedy(200), request_id="victim")
+                while not finals and engine.has_unfinished_requests():   # abort it mid-run
+                    time.sleep(0.001)
+                engine.abort_request("victim")
+            finally:
+                added.set()
+
+        run_threads(loop, client)
+        assert {rid: out.token_ids for rid, out in finals.items() if rid != "victim"} == want
+        assert finals["victim"].finish_reason == "abort"
+        assert_drained(engine)
+
+
+def test_close_while_another_thread_generates(llm_and_solo):
+    """close() from another thread while generate runs: it waits for the run to end, which gives
+    its tokens; the closed engine then refuses the next call by name. Without the lock, close()
+    freed the model under the step in flight (AttributeError: 'NoneType' ... 'compute_logits')."""
+    from pcg_engine.errors import EngineClosedError
+    llm, solo = llm_and_solo
+    running, closing = threading.Event(), threading.Event()
+
+    def on_output(out):
+        if not running.is_set():
+            running.set()
+            closing.wait(TIMEOUT_S)   # close() is called now, while this run is mid-way
+
+    def closer():
+        running.wait(TIMEOUT_S)
+        closing.set()
+        llm.close()
+
+    got, _ = run_threads(lambda: tokens(llm.generate(PROMPTS_A, greedy(), on_output=on_output)), closer)
+    assert got == solo["A"]
+    with pytest.raises(EngineClosedError, match="closed"):
+        llm.generate(PROMPTS_B, greedy())
