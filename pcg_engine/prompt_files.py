@@ -1,14 +1,15 @@
 """Prompt files given on the command line (`pcg generate --prompts-file`, `pcg bench load-test
 --dataset`): UTF-8 text, one prompt or one JSON object per line. A file that cannot be read, is not
-UTF-8, or has a line that is not JSON stops the command in one line naming the flag (and the line's
-number), not in a traceback; each caller then checks the objects' fields. A leading UTF-8 byte-order
-mark (Windows editors write one) is not part of the first line."""
+UTF-8, or has a line that is not JSON (or gives a key twice in one object) stops the command in one
+line naming the flag (and the line's number), not in a traceback; each caller then checks the
+objects' fields. A leading UTF-8 byte-order mark (Windows editors write one) is not part of the
+first line."""
 
 import codecs
 import json
 import sys
 
-from pcg_engine.models.json_file import beyond_json_limits
+from pcg_engine.models.json_file import _refuse_repeats, _RepeatedKey, beyond_json_limits
 
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
@@ -36,7 +37,13 @@ def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
 
 def parse_json(line: str, number: int, flag: str):
     try:
-        return json.loads(line)
+        # A key given twice: json.loads kept the last value, so {"max_tokens": 3, "max_tokens": 500}
+        # (or two "prompt"s) ran one of them without a word about the other; which was meant cannot
+        # be told. Refused, as checkpoint JSON files are (models/json_file.py).
+        return json.loads(line, object_pairs_hook=_refuse_repeats)
+    except _RepeatedKey as e:
+        raise SystemExit(f"{flag}: line {number}: key {e.key!r} is given twice in one object; which value is "
+                         "meant cannot be told") from None
     except json.JSONDecodeError as e:
         raise SystemExit(f"{flag}: line {number} is not valid JSON ({e.msg}): {line[:80]}") from None
     except (RecursionError, ValueError) as e:   # json's own limits (models/json_file.py says which)

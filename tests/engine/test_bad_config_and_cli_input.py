@@ -233,6 +233,25 @@ def test_prompts_file_line_sampling_fields_are_read_and_output_len_is_refused(tm
         _read_prompts(args)
 
 
+@pytest.mark.parametrize("line, key", [
+    ('{"prompt": "a", "max_tokens": 3, "max_tokens": 500}', "max_tokens"),
+    ('{"prompt": "a", "prompt": "b"}', "prompt"),
+    ('{"prompt": "a", "stop": ["x"], "stop": null}', "stop"),
+])
+def test_prompts_file_key_given_twice_is_refused(tmp_path, line, key):
+    """Found by fuzzing: json.loads keeps a repeated key's last value, so a line giving max_tokens
+    (or its prompt) twice ran one of them without a word about the other. Refused naming the line
+    and the key, as checkpoint JSON files are (models/json_file.py); --dataset reads lines alike."""
+    from pcg_engine.bench.load_test_requests import read_dataset
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + line + "\n")
+    expected = f"line 2: key {key!r} is given twice in one object; which value is meant cannot be told"
+    with pytest.raises(SystemExit, match=f"^--prompts-file: {re.escape(expected)}$"):
+        _read_prompts(_args(path))
+    with pytest.raises(SystemExit, match=f"^--dataset: {re.escape(expected)}$"):
+        read_dataset(str(path))
+
+
 @pytest.mark.parametrize("name", ["missing.txt", "."])
 def test_prompts_file_unreadable_is_named(tmp_path, name):
     with pytest.raises(SystemExit, match="--prompts-file: cannot read"):
