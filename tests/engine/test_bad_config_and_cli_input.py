@@ -2,6 +2,7 @@
 before anything is loaded: EngineConfig's device, and `pcg generate --prompts-file`."""
 
 import argparse
+import json
 import re
 
 import pytest
@@ -231,6 +232,24 @@ def test_prompts_file_line_sampling_fields_are_read_and_output_len_is_refused(tm
                                          r"from a prompt line; give the line \"max_tokens\" \(or --max-tokens for "
                                          r"all\)$"):
         _read_prompts(args)
+
+
+@pytest.mark.parametrize("key, meant", [
+    ("temprature", "temperature"), ("stop_token_id", "stop_token_ids"), ("max-tokens", "max_tokens"),
+    ("maxTokens", "max_tokens"), ("max_new_tokens", "max_tokens"), ("Seed", "seed"), ("logprob", "logprobs"),
+])
+def test_prompts_file_misspelt_sampling_field_is_refused(tmp_path, key, meant):
+    """Found by fuzzing: a line's keys other than the sampling fields are ignored (a dataset's "id"),
+    so {"prompt": "a", "temprature": 0.9} ran greedy, at the flags' temperature, without a word; a
+    key that reads as a misspelt field is refused, naming the line, the key and the field."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok", "id": 3, "label": "x", "source": "web"}\n'
+                    + json.dumps({"prompt": "a", key: 1}) + "\n")
+    with pytest.raises(SystemExit, match=f"^--prompts-file: line 2: {key!r} is not a sampling field; did you mean "
+                                         f"{meant!r}\\? \\(allowed: max_tokens, temperature, "):
+        _read_prompts(_args(path))
+    path.write_text('{"prompt": "ok", "id": 3, "label": "x", "source": "web", "tokens": 5}\n')
+    assert _read_prompts(_args(path)) == ["ok"]      # other keys still pass
 
 
 @pytest.mark.parametrize("line, key", [
