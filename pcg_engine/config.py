@@ -153,8 +153,11 @@ class EngineConfig:
         check("kernels", not (self.kernels and not self.fuse), KERNELS_WITHOUT_FUSE)
         # torch.manual_seed's range
         check("seed", is_int(self.seed) and -2**63 <= self.seed < 2**64, "an int in [-2**63, 2**64)")
-        check("compile_cache_dir", self.compile_cache_dir is None or isinstance(self.compile_cache_dir, (str, os.PathLike)),
-              "None or a directory path")
+        # Blank: "" (an unset shell variable, `--compile-cache-dir "$DIR"`) is Path("."), and a compiled
+        # mode wrote its cache entries into the working directory without a word, as with model.
+        check("compile_cache_dir", self.compile_cache_dir is None or isinstance(self.compile_cache_dir, os.PathLike)
+              or (isinstance(self.compile_cache_dir, str) and self.compile_cache_dir.strip() != ""),
+              "None or a directory path (not blank)")
         for name in ("cudagraph_buckets", "decode_buckets"):
             value = getattr(self, name)
             check(name, value is None or (isinstance(value, (list, tuple)) and len(value) > 0

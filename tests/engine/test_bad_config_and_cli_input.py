@@ -42,6 +42,19 @@ def test_field_of_the_wrong_type_is_named(field, value, allowed):
     assert e.value.field == field and allowed in str(e.value)
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_blank_compile_cache_dir_is_refused(capsys, value):
+    """Found by fuzzing `pcg generate --compile-cache-dir`: "" (an unset shell variable,
+    --compile-cache-dir "$DIR") named the working directory, and a compiled mode wrote its cache
+    entries there without a word; "  " a directory of that name in it. Refused, as a blank model is."""
+    from pcg_engine import cli
+    with pytest.raises(ConfigError, match="compile_cache_dir: got .*; allowed: None or a directory path"):
+        EngineConfig(compile_cache_dir=value)
+    assert cli.main(["generate", "--device", "cpu", "--prompt", "hi", "--compile-cache-dir", value]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --compile-cache-dir (compile_cache_dir): got {value!r}; "
+                                               "allowed: None or a directory path (not blank)")
+
+
 def test_kernels_without_fuse_is_refused():
     """kernels=True with fuse=False loaded the model without any kernel (the fuse transform is what
     switches them on), without a word: the MoE layers ran the reference loop, not the grouped GEMM."""
