@@ -24,6 +24,7 @@ ENGINE_FLAGS = ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"
 
 
 def _add_generate(sub):
+    from pcg_engine.config import MAX_NUM_BATCHED_TOKENS
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -36,21 +37,25 @@ def _add_generate(sub):
     p.add_argument("--temperature", type=float, default=0.0, help="in [0, 1e6]; default 0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1: off)")
     p.add_argument("--top-k", type=int, default=-1, help="-1 (off, the default) or >= 1")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, in [-2**63, 2**64) (default: none)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens")
     p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
-                   help="keep only the last N tokens of a longer prompt (one past the context is refused otherwise)")
+                   help="N >= 1: keep only the last N tokens of a longer prompt (one past the context is refused "
+                        "otherwise; default: none)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable; TEXT is left out of the output)")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1] (default 0: off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="in [0.01, 100] (default 1: off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default 0: off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0: off)")
-    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens (default 0)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="0..--max-tokens: no EOS, stop token or stop text before this many tokens (default 0)")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="0..20: each output token's logprob and the N most likely tokens' (in --json's output)")
+                   help="0..20: each output token's logprob and the N most likely tokens' (in --json's output; "
+                        "default: none)")
     p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=None, metavar="ID",
-                   help="stop at this token id (repeatable; kept in token_ids, left out of the text)")
+                   help="stop at this token id, 0..the vocabulary size - 1 (repeatable; kept in token_ids, left out "
+                        "of the text)")
     p.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
                    help="write special tokens (<|im_end|>, ...) into the output text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
@@ -61,13 +66,20 @@ def _add_generate(sub):
     p.add_argument("--dtype", default="auto", help="auto (the default: bfloat16 on CUDA, float32 on the CPU), bfloat16, float16, float32")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's max_position_embeddings, at most 4096")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once, 1..4096 (default 64)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks of 16 tokens (default: what 85%% of the GPU's memory leaves; 512 on the CPU)")
-    # Engine settings left unset keep EngineConfig's defaults (config.py).
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens a step may hold (default 2048)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens a KV block holds (default 16)")
+    # (--block-size and --gpu-memory-utilization change what it said: "blocks of 16 tokens", "85%")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks of --block-size tokens (default: what --gpu-memory-utilization of the GPU's "
+                        "memory leaves; 512 on the CPU)")
+    # Engine settings left unset keep EngineConfig's defaults (config.py); their ranges are its checks'.
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"tokens a step may hold, 1..{MAX_NUM_BATCHED_TOKENS} (default 2048)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens a KV block holds, a power of two from 1 to 128 (default 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of the GPU's memory the engine may fill, KV cache included (default 0.85)")
-    p.add_argument("--attention-backend", default=None, help="auto, torch, triton")
+                   help="in (0, 1]: share of the GPU's memory the engine may fill, KV cache included; sizes the KV "
+                        "cache on CUDA when --num-kv-blocks is not given (default 0.85)")
+    p.add_argument("--attention-backend", default=None,
+                   help="auto, torch, triton (default auto: triton on CUDA, torch on the CPU)")
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="overlap a step's planning with the previous step's GPU work (auto: on for CUDA)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -104,3 +104,40 @@ def test_engine_flags_reach_the_engine_config(tiny_paths, capsys, monkeypatch):
     # Unset: EngineConfig's own defaults, not the CLI's guesses of them.
     assert "block_size" not in seen and "max_num_batched_tokens" not in seen and seen["async_scheduling"] is None
     assert seen["enable_prefix_caching"] is True and seen["compile_cache"] is True
+
+
+def test_help_gives_each_flags_default_and_range(capsys):
+    """Found by fuzzing: --help gave no range for --block-size, --max-num-batched-tokens,
+    --gpu-memory-utilization, --min-tokens, --stop-token-id, --seed or --truncate-prompt-tokens, no
+    default for --attention-backend or --logprobs, nothing at all for --ignore-eos, and --num-kv-blocks
+    said "blocks of 16 tokens" and "85% of the GPU's memory", which --block-size and
+    --gpu-memory-utilization now change. Each is taken from SamplingParams / EngineConfig here."""
+    import re
+    from dataclasses import fields
+
+    from pcg_engine.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
+    from pcg_engine.sampling_params import MAX_LOGPROBS
+
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    # Each flag's entry starts a line of the help ("  --flag METAVAR  its help"), wrapped or not.
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:", 1)[1])
+    helps = {e.split()[0].rstrip(","): re.sub(r"\s+", " ", e) for e in entries if e.strip()}
+    default = {f.name: f.default for f in fields(EngineConfig)}
+    expected = {
+        "--max-num-batched-tokens": [f"1..{MAX_NUM_BATCHED_TOKENS}", f"default {default['max_num_batched_tokens']}"],
+        "--block-size": ["a power of two from 1 to 128", f"default {default['block_size']}"],
+        "--gpu-memory-utilization": ["in (0, 1]", f"default {default['gpu_memory_utilization']}", "CUDA"],
+        "--attention-backend": ["auto, torch, triton", f"default {default['attention_backend']}"],
+        "--num-kv-blocks": ["--block-size", "--gpu-memory-utilization", f"{default['cpu_kv_blocks']} on the CPU"],
+        "--min-tokens": ["0..--max-tokens", "default 0"],
+        "--stop-token-id": ["0..the vocabulary size - 1"],
+        "--seed": [f"in [-2**63, 2**64)", "default: none"],
+        "--truncate-prompt-tokens": [">= 1"],
+        "--logprobs": [f"0..{MAX_LOGPROBS}", "default: none"],
+        "--ignore-eos": ["EOS"],
+    }
+    for flag, parts in expected.items():
+        for part in parts:
+            assert part in helps.get(flag, ""), (flag, part, helps.get(flag))
+    assert "16 tokens" not in helps["--num-kv-blocks"] and "85%" not in helps["--num-kv-blocks"]
