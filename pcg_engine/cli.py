@@ -94,43 +94,11 @@ def _add_generate(sub):
     p.set_defaults(func=cmd_generate)
 
 
-# Other engines' names of a sampling field (Hugging Face, OpenAI, Anthropic): on a line they were
-# ignored like any other key, the prompt run at the flags' value.
-_FIELD_ALIASES = {"max_new_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "stop_sequences": "stop"}
-
-
-def _misspelt_field(key: str, names: tuple) -> str | None:
-    """The SamplingParams field that `key` (a JSONL line's key that is none of them) reads as a
-    misspelling of: another case, '-' for '_', camelCase, one letter added, dropped, changed or
-    swapped ("temprature", "stop_token_id", "logprob"), or another engine's name ("max_new_tokens");
-    None for an unrelated key ("id", "label", "n_tokens", "top"). Keys of 3 letters or fewer are
-    left alone: one letter from "top" is "stop"."""
-    import re
-    plain = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", key).lower().replace("-", "_").replace(" ", "_")
-    if plain in names or plain in _FIELD_ALIASES:
-        return _FIELD_ALIASES.get(plain, plain)
-    if len(plain) <= 3:
-        return None
-    return next((name for name in names if _one_edit_apart(plain, name)), None)
-
-
-def _one_edit_apart(a: str, b: str) -> bool:
-    """a and b differ by one letter inserted, deleted, replaced, or two neighbours swapped."""
-    if abs(len(a) - len(b)) > 1 or a == b:
-        return False
-    i = 0
-    while i < min(len(a), len(b)) and a[i] == b[i]:
-        i += 1
-    if len(a) == len(b):
-        return a[i + 1:] == b[i + 1:] or (a[i + 2:] == b[i + 2:] and a[i:i + 2] == b[i:i + 2][::-1])
-    return (a[i + 1:] == b[i:]) if len(a) > len(b) else (a[i:] == b[i + 1:])
-
-
 def _read_prompts(args, sources: list | None = None, overrides: list | None = None) -> list[str]:
     """The prompts of --prompt and --prompts-file; where each came from ("--prompt #2",
     "--prompts-file: line 7") is appended to `sources` when given, for the errors that name one,
     and each prompt's own sampling fields (a JSONL line's; None for the others) to `overrides`."""
-    from pcg_engine.prompt_files import parse_json, read_lines
+    from pcg_engine.prompt_files import misspelt_field, parse_json, read_lines
     from pcg_engine.sampling_params import SamplingParams
     names = SamplingParams.field_names()
     prompts = list(args.prompt)
@@ -156,7 +124,7 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
                 # But a key that reads as a misspelt field ("temprature", "stop_token_id", "maxTokens")
                 # was ignored as well: the prompt ran at the flags' value without a word. Refused.
                 for key in obj:
-                    meant = _misspelt_field(key, names) if key not in names else None
+                    meant = misspelt_field(key, names) if key not in names else None
                     if meant is not None:
                         raise SystemExit(f"--prompts-file: line {number}: {key!r} is not a sampling field; did you "
                                          f"mean {meant!r}? (allowed: {', '.join(names)}; other keys are ignored)")

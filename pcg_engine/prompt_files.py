@@ -7,9 +7,10 @@ first line."""
 
 import codecs
 import json
+import re
 import sys
 
-from pcg_engine.models.json_file import _refuse_repeats, _RepeatedKey, beyond_json_limits
+from pcg_engine.models.json_file import refuse_repeats, RepeatedKey, beyond_json_limits
 
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
@@ -40,8 +41,8 @@ def parse_json(line: str, number: int, flag: str):
         # A key given twice: json.loads kept the last value, so {"max_tokens": 3, "max_tokens": 500}
         # (or two "prompt"s) ran one of them without a word about the other; which was meant cannot
         # be told. Refused, as checkpoint JSON files are (models/json_file.py).
-        return json.loads(line, object_pairs_hook=_refuse_repeats)
-    except _RepeatedKey as e:
+        return json.loads(line, object_pairs_hook=refuse_repeats)
+    except RepeatedKey as e:
         raise SystemExit(f"{flag}: line {number}: key {e.key!r} is given twice in one object; which value is "
                          "meant cannot be told") from None
     except json.JSONDecodeError as e:
@@ -58,3 +59,34 @@ def sampling_field(obj: dict) -> str | None:
     from pcg_engine.sampling_params import SamplingParams
     names = SamplingParams.field_names()
     return next((k for k in obj if k in names), None)
+
+
+# Other engines' names of a sampling field (Hugging Face, OpenAI, Anthropic): on a line they were
+# ignored like any other key, the prompt run at the flags' value.
+_FIELD_ALIASES = {"max_new_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "stop_sequences": "stop"}
+
+
+def misspelt_field(key: str, names: tuple) -> str | None:
+    """The SamplingParams field that `key` (a JSONL line's key that is none of them) reads as a
+    misspelling of: another case, '-' for '_', camelCase, one letter added, dropped, changed or
+    swapped ("temprature", "stop_token_id", "logprob"), or another engine's name ("max_new_tokens");
+    None for an unrelated key ("id", "label", "n_tokens", "top"). Keys of 3 letters or fewer are
+    left alone: one letter from "top" is "stop"."""
+    plain = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", key).lower().replace("-", "_").replace(" ", "_")
+    if plain in names or plain in _FIELD_ALIASES:
+        return _FIELD_ALIASES.get(plain, plain)
+    if len(plain) <= 3:
+        return None
+    return next((name for name in names if _one_edit_apart(plain, name)), None)
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """a and b differ by one letter inserted, deleted, replaced, or two neighbours swapped."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    if len(a) == len(b):
+        return a[i + 1:] == b[i + 1:] or (a[i + 2:] == b[i + 2:] and a[i:i + 2] == b[i:i + 2][::-1])
+    return (a[i + 1:] == b[i:]) if len(a) > len(b) else (a[i:] == b[i + 1:])

@@ -16,17 +16,17 @@ from pathlib import Path
 from pcg_engine.errors import CheckpointError
 
 
-class _RepeatedKey(Exception):
+class RepeatedKey(Exception):
     def __init__(self, key: str):
         super().__init__(key)
         self.key = key
 
 
-def _refuse_repeats(pairs: list) -> dict:
+def refuse_repeats(pairs: list) -> dict:
     obj = {}
     for key, value in pairs:
         if key in obj:
-            raise _RepeatedKey(key)
+            raise RepeatedKey(key)
         obj[key] = value
     return obj
 
@@ -44,10 +44,10 @@ def read_json_object(file: Path) -> dict:
     key twice in one object is a CheckpointError naming it."""
     try:
         text = Path(file).read_text()
-        data = json.loads(text, object_pairs_hook=_refuse_repeats)
+        data = json.loads(text, object_pairs_hook=refuse_repeats)
     except OSError as e:
         raise CheckpointError(f"{file}: unreadable ({e})") from None
-    except _RepeatedKey as e:
+    except RepeatedKey as e:
         raise CheckpointError(f"{file}: key {e.key!r} is given twice in one object; which value is meant "
                               "cannot be told") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
