@@ -222,6 +222,9 @@ def _check_finite(model, stored_in: dict) -> None:
                                   "damaged, or its values exceed this dtype's range")
 
 
+# no_grad over the whole load, as before _check_finite was added above it (which took the decorator
+# over): the model is built, filled, compared and fused with autograd off.
+@torch.no_grad()
 def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool | None = None):
     """Checkpoint directory -> ready flat model on `device` (fused unless fuse=False)."""
     if kernels and not fuse:

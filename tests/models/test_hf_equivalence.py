@@ -460,6 +460,26 @@ def test_huge_finite_weights_whose_sum_overflows_still_load(ckpt_copy):
     assert torch.isfinite(model.model.layers[1].self_attn.qkv_proj.weight).all()
 
 
+def test_load_runs_with_autograd_off(ckpt_copy, monkeypatch):
+    """load_model is @torch.no_grad() (the weights are filled, compared and fused in place); adding
+    _check_finite above it took the decorator over to the new helper, and the load ran with
+    autograd on. Seen where the model is built and where the shards are read."""
+    import pcg_engine.models.loader as loader
+    seen = []
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            seen.append((fn.__name__, torch.is_grad_enabled()))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(loader, "read_into", spy(loader.read_into))
+    monkeypatch.setattr(loader, "Qwen3ForCausalLM", spy(loader.Qwen3ForCausalLM))
+    assert torch.is_grad_enabled()
+    load_model(ckpt_copy, device="cpu", dtype=torch.float32)
+    assert seen and not any(enabled for _, enabled in seen), seen
+
+
 @pytest.mark.parametrize("with_index", [False, True])
 def test_tensor_in_two_shards_is_refused(ckpt_copy, with_index):
     """Found by probing: a tensor stored in two shards loaded from whichever was read last (with an
