@@ -8,6 +8,7 @@
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -308,7 +309,7 @@ def cmd_generate(args) -> int:
                    "ttft_s": out.metrics.ttft,
                    "e2e_s": (out.metrics.finish_time or 0) - out.metrics.arrival_time}
             if out.logprobs is not None:       # --logprobs, or the line's "logprobs"
-                obj["logprobs"] = out.logprobs
+                obj["logprobs"] = _json_logprobs(out.logprobs)
             print(json.dumps(obj))
         elif not args.stream:
             print(out.text)
@@ -319,6 +320,16 @@ def cmd_generate(args) -> int:
               f"mode {llm.engine.runner.mode}, device {llm.engine.device}[/dim]", soft_wrap=True)
     err.print(f"[dim]{_startup_line(llm.engine.runner.timings, llm.config.compile_cache)}[/dim]", soft_wrap=True)
     return 0
+
+
+def _json_logprobs(entries: list) -> list:
+    """Logprobs as strict JSON: a token the logits masked has logprob -inf, which json.dumps wrote as
+    -Infinity (not JSON: strict parsers refused the line). It is written as -9999.0, as vLLM's
+    server does."""
+    def finite(x):
+        return x if math.isfinite(x) else (-9999.0 if x < 0 else None)
+    return [{**e, "logprob": finite(e["logprob"]), "top": [(t, finite(x)) for t, x in e.get("top", ())]}
+            for e in entries]
 
 
 def _startup_line(timings: dict, compile_cache: bool = True) -> str:

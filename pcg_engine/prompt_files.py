@@ -70,14 +70,13 @@ def misspelt_field(key: str, names: tuple) -> str | None:
     """The SamplingParams field that `key` (a JSONL line's key that is none of them) reads as a
     misspelling of: another case, '-' for '_', camelCase, one letter added, dropped, changed or
     swapped ("temprature", "stop_token_id", "logprob"), or another engine's name ("max_new_tokens");
-    None for an unrelated key ("id", "label", "n_tokens", "top"). Keys of 3 letters or fewer are
-    left alone: one letter from "top" is "stop"."""
+    None for an unrelated key ("id", "label", "n_tokens", "top"). One edit counts only towards a
+    field of 6 letters or more: one letter from "stop" and "seed" are ordinary words a dataset uses
+    as keys ("step", "shop", "seen", "need", "speed"), whose lines ran before and must still run."""
     plain = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", key).lower().replace("-", "_").replace(" ", "_")
     if plain in names or plain in _FIELD_ALIASES:
         return _FIELD_ALIASES.get(plain, plain)
-    if len(plain) <= 3:
-        return None
-    return next((name for name in names if _one_edit_apart(plain, name)), None)
+    return next((name for name in names if len(name) >= 6 and _one_edit_apart(plain, name)), None)
 
 
 def _one_edit_apart(a: str, b: str) -> bool:

@@ -263,6 +263,9 @@ def test_prompts_file_misspelt_sampling_field_is_refused(tmp_path, key, meant):
         _read_prompts(_args(path))
     path.write_text('{"prompt": "ok", "id": 3, "label": "x", "source": "web", "tokens": 5}\n')
     assert _read_prompts(_args(path)) == ["ok"]      # other keys still pass
+    # (a review: one edit from the 4-letter "stop" and "seed" refused ordinary keys that ran before)
+    path.write_text('{"prompt": "ok", "step": 1, "shop": 2, "seen": 3, "need": 4, "speed": 5, "top": 6}\n')
+    assert _read_prompts(_args(path)) == ["ok"]
 
 
 @pytest.mark.parametrize("line, key", [

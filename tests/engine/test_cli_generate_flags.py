@@ -141,3 +141,12 @@ def test_help_gives_each_flags_default_and_range(capsys):
         for part in parts:
             assert part in helps.get(flag, ""), (flag, part, helps.get(flag))
     assert "16 tokens" not in helps["--num-kv-blocks"] and "85%" not in helps["--num-kv-blocks"]
+
+
+def test_json_logprobs_are_strict_json():
+    """A -inf logprob (a masked logit) was written as -Infinity, which strict JSON parsers refuse."""
+    entries = [{"token": 3, "logprob": float("-inf"), "top": [(5, -0.1), (3, float("-inf"))]},
+               {"token": 4, "logprob": -1.5, "top": []}]
+    text = json.dumps(cli._json_logprobs(entries), allow_nan=False)
+    assert json.loads(text) == [{"token": 3, "logprob": -9999.0, "top": [[5, -0.1], [3, -9999.0]]},
+                                {"token": 4, "logprob": -1.5, "top": []}]
