@@ -191,7 +191,12 @@ class LaunchCache:
     def get(self, key):
         entry = self._entries.get(key)
         if entry is not None:
-            self._entries.move_to_end(key)
+            # The caches are module-level, shared by engines in other threads: one's put() may
+            # evict the key between the two calls (the entry read is still good). No cost unraised.
+            try:
+                self._entries.move_to_end(key)
+            except KeyError:
+                pass
         return entry
 
     def put(self, key, entry) -> None:

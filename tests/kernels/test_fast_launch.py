@@ -270,3 +270,20 @@ def test_hooks_and_switch_take_the_jit(fake_attention, monkeypatch):
     monkeypatch.setattr(fast_launch, "ENABLED", False)
     attend(b)
     assert len(log) == 3
+
+
+def test_launch_cache_get_survives_an_eviction_between_its_two_calls():
+    """The caches are module-level, shared by engines stepped in other threads: another thread's
+    put() can evict a key between get()'s lookup and its move_to_end (a KeyError before)."""
+    from collections import OrderedDict
+
+    class EvictedAfterLookup(OrderedDict):
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            self.pop(key, None)          # another thread's put() evicting it right then
+            return value
+
+    cache = fast_launch.LaunchCache(4)
+    cache._entries = EvictedAfterLookup()
+    cache.put("k", "launch")
+    assert cache.get("k") == "launch" and "k" not in cache and cache.get("k") is None
