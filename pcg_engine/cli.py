@@ -14,11 +14,8 @@ import sys
 import time
 
 
-# generate's flags that are SamplingParams fields of the same name (a JSONL line may set each for
-# its prompt), and EngineConfig fields passed on only when given.
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty", "min_tokens", "logprobs", "seed", "ignore_eos", "stop", "stop_token_ids",
-                  "skip_special_tokens", "truncate_prompt_tokens")
+# generate's EngineConfig fields passed on only when given (the SamplingParams fields are its flags
+# of the same name: cmd_generate takes every one there is).
 FLAG_NAMES = {"stop_token_ids": "--stop-token-id"}     # fields whose flag is not --field-name
 ENGINE_FLAGS = ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "attention_backend",
                 "compile_cache_dir")
@@ -222,13 +219,15 @@ def cmd_generate(args) -> int:
 
     from pcg_engine.errors import InvalidRequestError, PcgError
     from pcg_engine.llm import LLM
+    from pcg_engine.sampling_params import SamplingParams
 
     err = Console(stderr=True)
     sources: list[str] = []
     overrides: list[dict | None] = []
     prompts = _read_prompts(args, sources, overrides)
     try:
-        base = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+        # Every SamplingParams field with a flag (dest) of its name: the flags' parameters.
+        base = {name: getattr(args, name) for name in SamplingParams.field_names() if hasattr(args, name)}
         params = _params_per_prompt(base, overrides)
         config = dict(device=args.device, dtype=args.dtype, mode=args.mode, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,

@@ -201,20 +201,20 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-@torch.no_grad()
 def _check_finite(model, stored_in: dict) -> None:
     """A NaN or infinite weight (a damaged file, or a value beyond the load dtype's range) made every
-    output garbage without a word. One float32 sum a tensor, read back at once (a few ms for 8B on
-    an H200): a non-finite value makes its sum non-finite. A finite sum that overflowed is only a
-    suspect: such tensors are checked element by element before anything is refused."""
+    output garbage without a word. One float32 sum a tensor, read back at once (~3 ms for Qwen3-0.6B
+    on an H200, docs/PERF.md session 22): a non-finite value makes its sum non-finite. A finite sum
+    that overflowed is only a suspect: such tensors are checked element by element before anything
+    is refused. Runs under load_model's no_grad."""
     params = list(model.named_parameters())
     if not params:
         return
-    sums = torch.stack([torch.sum(p.detach(), dtype=torch.float32) for _, p in params])
+    sums = torch.stack([torch.sum(p, dtype=torch.float32) for _, p in params])
     suspects = (~torch.isfinite(sums)).nonzero().flatten().tolist()
     for i in suspects:
         name, p = params[i]
-        bad = int((~torch.isfinite(p.detach())).sum())
+        bad = int((~torch.isfinite(p)).sum())
         if bad:
             where = stored_in.get(name, "the checkpoint")
             raise CheckpointError(f"{where}: tensor {name!r} holds {bad} NaN or infinite value(s) of {p.numel()} "
@@ -222,8 +222,7 @@ def _check_finite(model, stored_in: dict) -> None:
                                   "damaged, or its values exceed this dtype's range")
 
 
-# no_grad over the whole load, as before _check_finite was added above it (which took the decorator
-# over): the model is built, filled, compared and fused with autograd off.
+# The model is built, filled, checked, compared and fused with autograd off.
 @torch.no_grad()
 def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool | None = None):
     """Checkpoint directory -> ready flat model on `device` (fused unless fuse=False)."""
