@@ -134,17 +134,16 @@ def plan_decodes(sched, out, budget: int) -> int | None:
     blocks = sched.block_manager
     bs = blocks.block_size
     table_len = state.table_len[rows]
+    # One token each: a row whose token does not fit its table needs exactly one more block (its
+    # table holds its computed tokens, num_tokens - 1 of them).
     grow = (num_tokens > table_len * bs).nonzero()[0]
     new_blocks = None
     if len(grow):
-        counts = (num_tokens[grow] + (bs - 1)) // bs - table_len[grow]
-        if int(counts.sum()) > blocks.num_free_blocks:
+        if len(grow) > blocks.num_free_blocks:
             return None                              # someone must be preempted
         # In running order, as the general loop would allocate them.
-        new = blocks.grow(list(map(rids.__getitem__, grow.tolist())), counts.tolist())
-        state.table_len[rows[grow]] = table_len[grow] + counts
-        if len(new) == len(grow):
-            new_blocks = new                         # one each, in `grown` order
+        new_blocks = blocks.grow_one_each(list(map(rids.__getitem__, grow.tolist())))
+        state.table_len[rows[grow]] = table_len[grow] + 1
     if batch is not None:
         out.scheduled = batch.plan(num_tokens, top, at_limit, grow, new_blocks)
         out.samples = batch.samples
@@ -165,14 +164,7 @@ def publish_decoded(blocks, scheduled, state, after: np.ndarray) -> None:
     filled = (after % bs == 0).nonzero()[0]
     if not len(filled):
         return
-    at, end = rows[filled], after[filled]
-    last = state.token_ids[at, end - 1]
-    if np.count_nonzero(last < 0):
-        # A block ending in a placeholder (async: the token in flight) is published when that
-        # token is resolved (placeholders trail, so no earlier block waits): skip it here.
-        keep = (last >= 0).nonzero()[0]
-        if not len(keep):
-            return
-        filled, at, end = filled[keep], at[keep], end[keep]
+    # A block ending in a placeholder (async: the token in flight) is left for when that token is
+    # resolved (placeholders trail, so no earlier block waits): publish_rows skips it.
     blocks.cache_full_blocks_rows(list(map(scheduled.requests.__getitem__, filled.tolist())), state.token_ids,
-                                  at, end // bs)
+                                  rows[filled], after[filled] // bs)
