@@ -217,6 +217,7 @@ def cmd_generate(args) -> int:
     from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from pcg_engine.config import check_kv_sizing_flags
     from pcg_engine.errors import InvalidRequestError, PcgError
     from pcg_engine.llm import LLM
     from pcg_engine.sampling_params import SamplingParams
@@ -234,6 +235,7 @@ def cmd_generate(args) -> int:
                       enable_prefix_caching=args.enable_prefix_caching, compile_cache=args.compile_cache,
                       async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         config.update({name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None})
+        check_kv_sizing_flags(args.device, args.num_kv_blocks, args.gpu_memory_utilization)
         if args.dump_graph:
             # A saved trace keeps Inductor's code, not the pieces' FX graphs: trace this start
             # (compile/saved_trace.py). The switch is part of the compile cache's key, so the first

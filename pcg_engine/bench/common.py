@@ -105,7 +105,10 @@ _ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "m
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields given on the command line; the rest keep EngineConfig's defaults."""
-    return {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+    from pcg_engine.config import check_kv_sizing_flags
+    given = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+    check_kv_sizing_flags(given.get("device", "auto"), given.get("num_kv_blocks"), given.get("gpu_memory_utilization"))
+    return given
 
 
 def max_model_len_of(args: argparse.Namespace, model: str) -> int:

@@ -150,3 +150,24 @@ def test_json_logprobs_are_strict_json():
     text = json.dumps(cli._json_logprobs(entries), allow_nan=False)
     assert json.loads(text) == [{"token": 3, "logprob": -9999.0, "top": [[5, -0.1], [3, -9999.0]]},
                                 {"token": 4, "logprob": -1.5, "top": []}]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--num-kv-blocks", "64", "--gpu-memory-utilization", "0.5"], "has no effect with num_kv_blocks"),
+    (["--device", "cpu", "--gpu-memory-utilization", "0.5"], "sizes the KV cache on CUDA only"),
+], ids=["with-num-kv-blocks", "on-the-cpu"])
+def test_gpu_memory_utilization_that_would_be_ignored_is_refused(tiny_paths, capsys, monkeypatch, flags, expected):
+    """Known since session 22: --gpu-memory-utilization was ignored without a word beside
+    --num-kv-blocks (which sets the cache's size) and on the CPU (whose cache has num_kv_blocks
+    blocks). Refused before any engine is built, by generate and by the benchmarks."""
+    def built(*a, **k):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setattr(LLM, "__init__", built)
+    code, outs, err = _run(capsys, tiny_paths, "--prompt", "hi", "--max-tokens", "2", *flags)
+    assert code == 2 and not outs
+    assert err.strip().splitlines()[-1].startswith(f"error: --gpu-memory-utilization (gpu_memory_utilization): {expected}"), err
+    code = cli.main(["bench", "overhead", "--host-only", "--model", str(tiny_paths["tiny-qwen3"]), "--batch-sizes", "16",
+                     *flags] + ([] if "--device" in flags else ["--device", "cpu"]))
+    bench_err = capsys.readouterr().err
+    assert code == 2 and f"error: --gpu-memory-utilization (gpu_memory_utilization): {expected}" in bench_err, bench_err
