@@ -59,7 +59,7 @@ class AttentionPlan:
 
     def __call__(self, q_p: int, cache_p: int, out_p: int, qsl_p: int, lens_p: int, table_p: int) -> bool:
         """Launch with these addresses; False (nothing launched) where the JIT must do it."""
-        if fast_launch.hooks_set():
+        if fast_launch.jit_only():
             return False
         stream = fast_launch.current_stream(self.stream_device)
         if self.part_numel:

@@ -17,6 +17,8 @@ How: a dry pass over the steps capture and warm-up will run, before Dynamo and I
     first later layer of each kind (same module types, parameter shapes and dtypes). Identical layers make
     identical launches, so two layers of 28 meet every variant at a fraction of the host time;
   * kernels/fast_launch.py is off: nothing is launched, so nothing may be recorded for replay.
+Both switches (compile_only()) hold in the thread running the pass only: an engine serving in
+another thread meanwhile launches its kernels as usual.
 The KV cache's sizing forward (ModelRunner, before any of this) already runs inside the same
 background compiles: its peak memory is the torch ops', which still run. The steps: the full
 decode graphs' buckets, run as their capture runs them (the eager model inside
@@ -47,10 +49,12 @@ compile threads (default: one per core, at most 32).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -148,23 +152,67 @@ _HOOK = _Hook()
 
 # ---- the dry pass's two switches ---------------------------------------------------------------
 
+# Inside compile_only(), in the context (thread) that entered it only. JITFunction.run is a class
+# attribute and fast_launch.ENABLED a module global: set for the pass, both made every thread's
+# launches compile only, and an engine serving in one thread while another started up in a
+# second launched nothing (wrong results) and lost its direct launches.
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("pcg_compile_only", default=False)
+
+
+class _CompileOnlyRun:
+    """JITFunction.run's replacement while any compile_only() is active, in any thread: a launch
+    made inside one becomes warmup=True, any other keeps the warmup it came with. The first
+    compile_only() to enter installs it and the last to leave, in whichever order, puts back the
+    run found then (unless someone replaced it meanwhile: theirs stays, as with _Hook). Outside
+    every compile_only() launches cost what they did; meanwhile each costs a call and a
+    ContextVar.get more (~0.25 µs on the dev VM, against the JIT launch's tens of µs), in any thread."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active = 0
+        self.original = self.installed = None
+
+    def enter(self) -> None:
+        from triton.runtime.jit import JITFunction
+        with self.lock:
+            if not self.active:
+                original = JITFunction.run
+
+                def run(kernel, *args, grid, warmup, **kwargs):
+                    dry = _COMPILE_ONLY.get()
+                    return original(kernel, *args, grid=grid, warmup=True if dry else warmup, **kwargs)
+                self.original, self.installed = original, run
+                JITFunction.run = run
+            self.active += 1
+
+    def leave(self) -> None:
+        from triton.runtime.jit import JITFunction
+        with self.lock:
+            self.active -= 1
+            if not self.active:
+                if JITFunction.run is self.installed:
+                    JITFunction.run = self.original
+                self.original = self.installed = None
+
+
+_RUN = _CompileOnlyRun()
+
+
 @contextmanager
 def compile_only():
-    """Launches of Triton JIT kernels compile their variant and launch nothing (warmup=True); the
-    direct launches of kernels/fast_launch.py are off meanwhile, so that nothing is recorded."""
-    from triton.runtime.jit import JITFunction
+    """In this context (this thread) only: launches of Triton JIT kernels compile their variant and
+    launch nothing (warmup=True), and the direct launches of kernels/fast_launch.py are off
+    (fast_launch.off()), so that nothing is recorded. Other threads launch as usual. The compile
+    threads of _Background need neither: Triton hands them the compile alone, never a launch."""
     from pcg_engine.kernels import fast_launch
-    run = JITFunction.run
-
-    def dry_run(self, *args, grid, warmup, **kwargs):
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
-
-    fast = fast_launch.ENABLED
-    JITFunction.run, fast_launch.ENABLED = dry_run, False
+    _RUN.enter()
+    token = _COMPILE_ONLY.set(True)
     try:
-        yield
+        with fast_launch.off():
+            yield
     finally:
-        JITFunction.run, fast_launch.ENABLED = run, fast
+        _COMPILE_ONLY.reset(token)
+        _RUN.leave()
 
 
 def layer_kind(layer: torch.nn.Module) -> tuple:

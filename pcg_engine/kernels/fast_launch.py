@@ -26,7 +26,9 @@ profiler adds to them, and a LazyDict of launch metadata for them; with both cha
 calls do nothing, so a direct launch passes None for all three, and is taken only while both are
 empty (checked per call: a profiler's launches keep their hooks); other versions, the CPU
 interpreter, a kernel with pre-run hooks, or PCG_FAST_LAUNCH=0 (A/B switch, read at import) keep
-the plain JIT call.
+the plain JIT call, and so does every launch made inside off() in the context (thread) that
+entered it: the dry pass of an engine's start-up (engine/precompile.py), while other threads'
+engines keep their direct launches.
 
 The key is the caller's business and must determine every recorded argument. `launch` below keys
 on the exact arguments (a tensor by data pointer and dtype: that is all of a tensor the kernel
@@ -45,14 +47,16 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import triton
 
 from pcg_engine.kernels import triton_interpreting
 
-__all__ = ["ENABLED", "LaunchCache", "RecordedLaunch", "current_stream", "hooks_set", "jit_launch",
-           "launch"]
+__all__ = ["ENABLED", "LaunchCache", "RecordedLaunch", "current_stream", "jit_launch", "jit_only", "launch",
+           "off"]
 
 VERIFIED = {(3, 5), (3, 6), (3, 7), (3, 8), (3, 9)}
 
@@ -89,9 +93,34 @@ def _hook_set(hook) -> bool:
 _CHAINS = ((_RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook) if _RUNTIME is not None else (None, None))
 
 
-def hooks_set() -> bool:
-    """Launch hooks want launch_metadata built per call (profilers): leave those launches to the JIT.
-    Per call, so the common case (Triton's own chains, both empty) is two identity checks."""
+# Inside off(), in the context that entered it only. A context variable, not ENABLED: that is one
+# module global, and the dry pass that turned it off in one engine's start-up turned off the
+# direct launches of an engine serving in another thread meanwhile. Threads start with an empty
+# context, so a thread started inside off() is not inside it.
+_OFF: ContextVar[bool] = ContextVar("pcg_fast_launch_off", default=False)
+
+
+@contextmanager
+def off():
+    """Inside, this context's launches go through the JIT and none is recorded: the dry pass
+    (engine/precompile.compile_only), whose JIT launches compile and launch nothing, where a
+    direct launch would run its kernel. Other threads keep their direct launches."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
+def jit_only() -> bool:
+    """This launch must go through the JIT, and is not to be recorded: inside off(), or launch
+    hooks want launch_metadata built per call (profilers). Asked per call by every direct launch
+    and every record, and by nothing else, so that is where off() is checked rather than beside
+    each read of ENABLED (five in three files): one ContextVar.get more per call of a function the
+    hot paths already call (~20 ns), no call more. The common case (not off, Triton's own chains,
+    both empty) is that read and two identity checks."""
+    if _OFF.get():
+        return True
     enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
     if enter is _CHAINS[0] and leave is _CHAINS[1] and enter is not None:
         return bool(enter.calls or leave.calls)
@@ -155,7 +184,7 @@ _NO = object()
 def record(kernel, compiled, grid, args: tuple, kwargs: dict, slots: int = 0) -> RecordedLaunch | None:
     """The launch `kernel[grid](*args, **kwargs)` just made (it returned `compiled`), or None
     where it cannot be re-issued directly."""
-    if not (ENABLED and isinstance(kernel, JITFunction)) or kernel.pre_run_hooks or hooks_set():
+    if not (ENABLED and isinstance(kernel, JITFunction)) or kernel.pre_run_hooks or jit_only():
         return None
     if compiled is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
         return None  # e.g. an asynchronous compile's future
@@ -258,7 +287,7 @@ def launch(kernel, grid, *args, **kwargs):
     key = exact_key(kernel, grid, args, kwargs)
     if key is not None:
         rec = _EXACT.get(key)
-        if rec is not None and not hooks_set():
+        if rec is not None and not jit_only():
             rec(current_stream(key[1]))
             return rec.compiled
     compiled = kernel[grid](*args, **kwargs)

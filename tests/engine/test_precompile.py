@@ -1,8 +1,9 @@
 """The parallel kernel pre-compile (engine/precompile.py).
 
 On the CPU: the model cut (which layers stand for all), and that both of the dry pass's switches
-(the model cut, compile-only launches) are undone however the pass ends; on a CPU runner the pass
-does nothing. On a GPU (a fresh process with empty Triton and Inductor caches, so that every
+(the model cut, compile-only launches) are undone however the pass ends; that compile-only launches
+hold in the thread that entered compile_only() alone, and are undone whatever order overlapping
+ones in two threads leave in; on a CPU runner the pass does nothing. On a GPU (a fresh process with empty Triton and Inductor caches, so that every
 variant really compiles): the pass compiles variants, and capture and warm-up after it compile none.
 """
 
@@ -62,26 +63,127 @@ def test_distinct_layers_leaves_a_model_without_layers_whole():
         assert m is model
 
 
-def test_compile_only_switches_launches_and_fast_launch_and_restores_them(monkeypatch):
+def _recording_run(monkeypatch):
+    """JITFunction.run replaced by a stand-in for Triton's JIT launch that logs its arguments and
+    returns the warmup it got: compile_only() wraps whatever run it finds."""
     from triton.runtime.jit import JITFunction
-    from pcg_engine.kernels import fast_launch
     calls = []
 
-    def recording_run(self, *args, grid, warmup, **kwargs):    # stands in for Triton's JIT launch
+    def recording_run(self, *args, grid, warmup, **kwargs):
         calls.append((self, args, grid, warmup, kwargs))
-        return "kernel"
+        return warmup
     monkeypatch.setattr(JITFunction, "run", recording_run)
+    return calls
+
+
+def _launch_is_dry() -> bool:
+    """Whether a launch made now, in this thread, compiles only: what kernel[grid](...) calls."""
+    from triton.runtime.jit import JITFunction
+    return JITFunction.run("fn", grid=(1,), warmup=False)
+
+
+def test_compile_only_switches_this_threads_launches_and_fast_launch_and_restores_them(monkeypatch):
+    from triton.runtime.jit import JITFunction
+    from pcg_engine.kernels import fast_launch
+    calls = _recording_run(monkeypatch)
     run, fast = JITFunction.run, fast_launch.ENABLED
+    assert not fast_launch.jit_only()
     with precompile.compile_only():
-        assert JITFunction.run is not run and fast_launch.ENABLED is False
+        assert JITFunction.run is not run and fast_launch.jit_only()
+        assert fast_launch.ENABLED == fast       # the process-wide switch is left alone
         # what kernel[grid](*args, **kwargs) calls: compile (warmup=True), launch nothing
-        assert JITFunction.run("fn", 1, 2, grid=(3,), warmup=False, BLOCK=4) == "kernel"
-    assert calls == [("fn", (1, 2), (3,), True, {"BLOCK": 4})]
-    assert JITFunction.run is run and fast_launch.ENABLED == fast
+        assert JITFunction.run("fn", 1, 2, grid=(3,), warmup=False, BLOCK=4) is True
+        with precompile.compile_only():          # nested: still dry, and still dry after it
+            assert _launch_is_dry()
+        assert _launch_is_dry() and fast_launch.jit_only()
+    assert calls[0] == ("fn", (1, 2), (3,), True, {"BLOCK": 4})
+    assert JITFunction.run is run and fast_launch.ENABLED == fast and not fast_launch.jit_only()
     with pytest.raises(ValueError):
         with precompile.compile_only():
             raise ValueError("a step failed")
-    assert JITFunction.run is run and fast_launch.ENABLED == fast
+    assert JITFunction.run is run and fast_launch.ENABLED == fast and not fast_launch.jit_only()
+    assert JITFunction.run("fn", grid=(1,), warmup=True) is True     # a real warmup call passes as it came
+
+
+class _Thread:
+    """A thread that runs the callables handed to it one after another, in one context (so a
+    compile_only() entered by one call is left by a later one); a call returns its result here."""
+
+    def __init__(self):
+        import queue
+        import threading
+        self.todo, self.done = queue.Queue(), queue.Queue()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while (fn := self.todo.get()) is not None:
+            try:
+                self.done.put((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - raised in the test's thread
+                self.done.put((False, e))
+
+    def __call__(self, fn):
+        self.todo.put(fn)
+        ok, value = self.done.get(timeout=30)
+        if not ok:
+            raise value
+        return value
+
+    def close(self):
+        self.todo.put(None)
+        self.thread.join(30)
+
+
+def test_compile_only_leaves_other_threads_launches_and_fast_launches_alone(monkeypatch):
+    """One engine's start-up (the dry pass) in one thread while another engine serves in this one:
+    the server's launches must launch, and its direct launches stay on (both were process-wide)."""
+    from triton.runtime.jit import JITFunction
+    from pcg_engine.kernels import fast_launch
+    calls = _recording_run(monkeypatch)
+    run, fast = JITFunction.run, fast_launch.ENABLED
+    starting = _Thread()
+    try:
+        dry = precompile.compile_only()
+        starting(dry.__enter__)
+        assert not _launch_is_dry() and calls[-1][3] is False    # this thread launched
+        assert starting(_launch_is_dry)                          # the starting one only compiled
+        assert fast_launch.ENABLED == fast and not fast_launch.jit_only()
+        assert starting(fast_launch.jit_only)
+        starting(lambda: dry.__exit__(None, None, None))
+    finally:
+        starting.close()
+    assert JITFunction.run is run and fast_launch.ENABLED == fast and not fast_launch.jit_only()
+
+
+@pytest.mark.parametrize("first_out", ["first_in", "second_in"])
+def test_overlapping_compile_only_in_two_threads_restore_triton_in_either_order(monkeypatch, first_out):
+    """Two start-ups overlapping in two threads: each leaves its own thread's launches dry until it
+    exits, and when both have, JITFunction.run is Triton's again (the second to enter once put
+    the first's dry run back for good when it left last)."""
+    from triton.runtime.jit import JITFunction
+    from pcg_engine.kernels import fast_launch
+    _recording_run(monkeypatch)
+    run = JITFunction.run
+    a, b = _Thread(), _Thread()
+    try:
+        ctx_a, ctx_b = precompile.compile_only(), precompile.compile_only()
+        a(ctx_a.__enter__)
+        b(ctx_b.__enter__)
+        assert a(_launch_is_dry) and b(_launch_is_dry) and not _launch_is_dry()
+        order = [(a, ctx_a), (b, ctx_b)]
+        if first_out == "second_in":
+            order.reverse()
+        (out, ctx_out), (stays, ctx_stays) = order
+        out(lambda: ctx_out.__exit__(None, None, None))
+        assert not out(_launch_is_dry) and stays(_launch_is_dry) and not _launch_is_dry()
+        assert not out(fast_launch.jit_only) and stays(fast_launch.jit_only)
+        stays(lambda: ctx_stays.__exit__(None, None, None))
+        assert not a(_launch_is_dry) and not b(_launch_is_dry)
+    finally:
+        a.close()
+        b.close()
+    assert JITFunction.run is run
 
 
 def _fake_compile(fn, key):

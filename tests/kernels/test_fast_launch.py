@@ -96,20 +96,42 @@ def test_interpreter_results_take_the_jit_path():
     assert launch_plan.PLANS.misses == before and len(launch_plan.PLANS) == 0
 
 
-def test_hooks_set_follows_tritons_hook_chains(monkeypatch):
+def test_jit_only_follows_tritons_hook_chains(monkeypatch):
     from triton import knobs
     hook = lambda metadata: None  # noqa: E731
-    assert not fast_launch.hooks_set()
+    assert not fast_launch.jit_only()
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        assert fast_launch.hooks_set()
+        assert fast_launch.jit_only()
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert not fast_launch.hooks_set()
+    assert not fast_launch.jit_only()
     monkeypatch.setattr(knobs.runtime, "launch_exit_hook", hook)  # the older spelling: a plain callable
-    assert fast_launch.hooks_set()
+    assert fast_launch.jit_only()
     monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
-    assert not fast_launch.hooks_set()
+    assert not fast_launch.jit_only()
+
+
+def test_jit_only_inside_off_in_its_own_thread_only():
+    import threading
+    inside, checked = threading.Event(), threading.Event()
+    seen = []
+
+    def other():
+        inside.wait(30)
+        seen.append(fast_launch.jit_only())
+        checked.set()
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    with fast_launch.off():
+        assert fast_launch.jit_only()
+        with fast_launch.off():
+            assert fast_launch.jit_only()
+        assert fast_launch.jit_only()
+        inside.set()
+        assert checked.wait(30)
+    t.join(30)
+    assert seen == [False] and not fast_launch.jit_only()
 
 
 def _scale_add(x_ptr, y_ptr, n, alpha, BLOCK: int = 64, FLAG: bool = False):
@@ -152,15 +174,50 @@ def test_not_recorded(fake, monkeypatch):
         for _ in range(2):
             fast_launch.launch(k, (1,), *args)
     twice(x, x, 8, (1, 2))               # a tuple argument
-    monkeypatch.setattr(fast_launch, "hooks_set", lambda: True)  # a profiler's launch hooks
+    monkeypatch.setattr(fast_launch, "jit_only", lambda: True)  # a profiler's launch hooks
     twice(x, x, 8, 1.0)
-    monkeypatch.setattr(fast_launch, "hooks_set", lambda: False)
+    monkeypatch.setattr(fast_launch, "jit_only", lambda: False)
     monkeypatch.setattr(fast_launch, "_as_arg", fake)  # the real one: a CPU tensor is no pointer
     twice(x, x, 8, 1.0)
     assert len(log) == 6 and len(fast_launch._EXACT) == 0
     k.pre_run_hooks.append(lambda *a, **kw: None)
     twice(x, x, 8, 1.0)
     assert len(log) == 8 and len(fast_launch._EXACT) == 0
+
+
+def test_compile_only_turns_direct_launches_off_in_its_thread_only(fake):
+    """While one engine's start-up runs its dry pass (precompile.compile_only) in one thread, an
+    engine serving in another re-issues its recorded launches (ENABLED was turned off for all)."""
+    import threading
+    from pcg_engine.engine import precompile
+    log = []
+    k = fake_kernel(_scale_add, log)
+    x, y = torch.zeros(64), torch.zeros(64)
+    fast_launch.launch(k, (4,), x, y, 64, 0.5)                  # recorded
+    inside, done, errors = threading.Event(), threading.Event(), []
+
+    def starting():
+        try:
+            with precompile.compile_only():
+                fast_launch.launch(k, (4,), x, y, 64, 0.5)      # the JIT (dry), not the record
+                fast_launch.launch(k, (4,), x, y, 32, 0.5)      # the JIT, nothing recorded
+                inside.set()
+                done.wait(30)
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
+            errors.append(e)
+            inside.set()
+    t = threading.Thread(target=starting, daemon=True)
+    t.start()
+    try:
+        assert inside.wait(30)
+        assert fast_launch.ENABLED
+        n = len(log)
+        fast_launch.launch(k, (4,), x, y, 64, 0.5)              # this thread: the record
+        assert len(log) == n
+    finally:
+        done.set()
+        t.join(30)
+    assert not errors and len(log) == 3 and len(fast_launch._EXACT) == 1
 
 
 # ---- unified_attention's plans ------------------------------------------------------------------
@@ -263,13 +320,16 @@ def test_hooks_and_switch_take_the_jit(fake_attention, monkeypatch):
     log, _, _ = fake_attention
     b = batch()
     attend(b)
-    monkeypatch.setattr(fast_launch, "hooks_set", lambda: True)
-    attend(b)
-    assert len(log) == 2
-    monkeypatch.setattr(fast_launch, "hooks_set", lambda: False)
-    monkeypatch.setattr(fast_launch, "ENABLED", False)
+    with fast_launch.off():          # the dry pass (precompile.compile_only), in this thread
+        attend(b)
+    assert len(log) == 2 and len(launch_plan.PLANS) == 1
+    monkeypatch.setattr(fast_launch, "jit_only", lambda: True)
     attend(b)
     assert len(log) == 3
+    monkeypatch.setattr(fast_launch, "jit_only", lambda: False)
+    monkeypatch.setattr(fast_launch, "ENABLED", False)
+    attend(b)
+    assert len(log) == 4
 
 
 def test_launch_cache_get_survives_an_eviction_between_its_two_calls():
