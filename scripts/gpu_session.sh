@@ -27,6 +27,10 @@
 # secondprobe (scripts/second_engine_probe.py per variant of PROBE_VARIANTS: plain, --keep-cache, --clear-cublas, expandable, VAR=value; PROBE_MODES, AB_MODEL),
 # b1probe (scripts/attention_b1_probe.py: B1 x 8192 decode attention's parts against a copy and a read of its bytes),
 # l2bench (scripts/bench_l2_prefetch.py: 8B's batch-1 layer stand-in with and without L2 prefetches of the next weight).
+# p4tree (P4 of this tree against the base tree in AB_TREE, alternated TREE_ROUNDS times, default 3).
+# The tree parts (p1tree, ttfttree, p4tree) run Python with PYTHONSAFEPATH=1: `python3 -m` puts the working
+# directory (this tree) first on sys.path, ahead of PYTHONPATH, so without it every "base" run ran this tree
+# (sessions 14-16's tree A/Bs did; docs/PERF.md, session 23).
 # Set PCG_COMMIT to the commit being measured (the device copy carries no .git).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PCG_COMMIT=${PCG_COMMIT:-unknown}
@@ -124,7 +128,7 @@ part() {
             # any other name X is the tree in abtree/X (a bisection: git archive <commit> pcg_engine into abtree/X)
             tree=${v%%:*}; envs=; [ "$tree" != "$v" ] && envs=${v#*:}
             case $tree in new) pp=$PWD ;; base) pp=$PWD/${AB_TREE:?AB_TREE: the base tree} ;; *) pp=$PWD/abtree/$tree ;; esac
-            env PYTHONPATH=$pp $envs timeout $(lim 150) $B load-test --model $(model qwen3-0.6b) --modes ${TTFT_MODES:-full_decode,full_and_piecewise} \
+            env PYTHONSAFEPATH=1 PYTHONPATH=$pp $envs timeout $(lim 150) $B load-test --model $(model qwen3-0.6b) --modes ${TTFT_MODES:-full_decode,full_and_piecewise} \
               --num-prompts ${TTFT_N:-8} --request-rate inf --input-len 512 --output-len 2 --range-ratio 0 --no-progress \
               --json $OUT/ttfttree_${v//[:=]/_}-$i.json 2>&1 | grep -iE "ttft|mode|fixed host" | sed "s/^/$v run $i /"
           done; done ;;
@@ -199,9 +203,17 @@ m = {c: sorted(r['python_median_us'] for r in runs)[len(runs) // 2] for c, runs 
             # the tree unpacked in AB_TREE ("base", e.g. git archive of the commit before a change); "new:VAR=x" adds a switch
             tree=${v%%:*}; envs=; [ "$tree" != "$v" ] && envs=${v#*:}
             [ $tree = base ] && pp=$PWD/${AB_TREE:?AB_TREE: the base tree} || pp=$PWD
-            env PYTHONPATH=$pp $envs timeout $(lim 120) python3 -m pcg_engine.cli bench latency --model $(model ${AB_MODEL:-qwen3-0.6b}) \
+            env PYTHONSAFEPATH=1 PYTHONPATH=$pp $envs timeout $(lim 120) python3 -m pcg_engine.cli bench latency --model $(model ${AB_MODEL:-qwen3-0.6b}) \
               --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1tree_${v//[:=]/_}-$i.json 2>&1 \
               | grep -E "full_decode|piecewise|mode" | sed "s/^/$v run $i /"
+          done; done ;;
+    p4tree) for i in $(seq ${TREE_ROUNDS:-3}); do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated: P4 (p4's
+            # command) of this tree ("new") against the tree unpacked in AB_TREE ("base"), as p1tree
+            tree=${v%%:*}; envs=; [ "$tree" != "$v" ] && envs=${v#*:}
+            [ $tree = base ] && pp=$PWD/${AB_TREE:?AB_TREE: the base tree} || pp=$PWD
+            env PYTHONSAFEPATH=1 PYTHONPATH=$pp $envs timeout $(lim 90) $B overhead --host-only --model $(model qwen3-0.6b) \
+              --batch-sizes 16,64,256 --json $OUT/p4tree_${v//[:=]/_}-$i.json 2>&1 | grep -E "│ (16|64|256) |at 256: fixed" \
+              | sed "s/^/$v run $i /"
           done; done ;;
     hostinfo) { nproc; env | grep -iE "malloc|preload|omp_|mkl"; python3 -c "import torch; print(open('/proc/self/maps').read())" | grep -iE "jemalloc|tcmalloc|mimalloc" | head -3; lscpu; numactl -H 2>&1 | head -5; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} 2>&1; grep -m3 MHz /proc/cpuinfo; head -1 /proc/stat
           cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>&1; } > $OUT/hostinfo.txt 2>&1; head -30 $OUT/hostinfo.txt ;;
