@@ -129,6 +129,13 @@ def graph_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devic
     return max(1, min(programs // max(num_reqs * num_kv_heads, 1), MAX_GRAPH_SPLITS, MAX_SPLITS))
 
 
+# Decode attention with PDL (the full decode graphs): key tiles of its share a program asks L2 for
+# before it waits for the kernel before it (kernels/pdl.py). Predicted on the H200: one DRAM round
+# trip (~1-2 us) off each layer's attention, batch-1 full_decode -30 to -50 us a step.
+# PCG_PDL_PREFETCH_TILES=0 turns it off (an A/B switch, read at import).
+PDL_PREFETCH_TILES = max(0, int(os.environ.get("PCG_PDL_PREFETCH_TILES", "2")))
+
+
 class KernelVariant(NamedTuple):
     """The host-side choices of one unified_attention call that select compiled binaries; with the
     model's shapes and dtype fixed, two calls with equal variants run the same binaries."""

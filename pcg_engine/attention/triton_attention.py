@@ -52,11 +52,11 @@ from pcg_engine.attention.metadata import check_index_tensor
 from pcg_engine.kernels import fast_launch, pdl, triton_interpreting
 from pcg_engine.attention.split_merge import (  # noqa: F401  (re-exported: tests, rope_decode_attention)
     _COUNTERS, _merge_partials, _merge_splits_kernel, _split_counters)
-from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
 
 # The launch's host-side choices live in launch_config.py; re-exported here, where callers look.
 from pcg_engine.attention.launch_config import (  # noqa: F401
-    DECODE_TUNING, GRAPH_SPLIT_DECODE_TUNING, MAX_GRAPH_SPLITS, MAX_SPLITS, SPLIT_DECODE_TUNING,
+    DECODE_TUNING, GRAPH_SPLIT_DECODE_TUNING, MAX_GRAPH_SPLITS, MAX_SPLITS, PDL_PREFETCH_TILES, SPLIT_DECODE_TUNING,
     SPLIT_PROGRAMS_PER_SM, DecodeTuning, KernelVariant, _clamp_splits, choose_num_splits, graph_num_splits,
     host_cdiv, host_next_pow2, kernel_variant)
 
@@ -126,10 +126,9 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, SEARCH: tl.constexpr,
     DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_TILES: tl.constexpr = 0, PREFETCH_LINES: tl.constexpr = 1,
 ):
-    if PDL:  # kernels/pdl.py: q, the cache and the metadata all come from earlier kernels or copies
-        gdc_wait()
-        gdc_launch_dependents()
+    # PDL (kernels/pdl.py): this kernel waits below the metadata reads, then lets the next launch.
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,8 +137,6 @@ def _unified_attention_kernel(
         # Every request has at most one query (<= BLOCK_Q): program pid < R is request pid, the
         # rest cover the padding rows after the last request. No search, so the loads of q,
         # seq_len and the block table do not wait on one another.
-        if FUSED_MERGE and pid >= num_reqs and split > 0:
-            return  # padding rows have no keys: split 0 alone zeroes them, without a load here
         r = tl.minimum(pid, num_reqs)
     else:
         # r = the largest request in [0, num_reqs] whose first virtual q-block id
@@ -161,11 +158,44 @@ def _unified_attention_kernel(
         j = tl.maximum(pid - num_reqs, 0)
     else:
         j = pid - (q_begin // BLOCK_Q + r)
+
+    # Causal key range of the block, and the prefix below its first query that needs no mask.
+    context = seq_len - q_len  # KV positions before this chunk
+    kv_end = tl.maximum(tl.minimum(seq_len, context + tl.minimum(q_len, (j + 1) * BLOCK_Q)), 0)
+    full_end = tl.maximum(tl.minimum(context + j * BLOCK_Q + 1, kv_end), 0)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    num_full = full_end // TILE_N
+    if SPLIT:  # num_splits equal shares of this request's tiles, decided on the device
+        per = tl.cdiv(num_tiles, num_splits)
+        t_lo = split * per
+        t_hi = tl.minimum(t_lo + per, num_tiles)
+    else:
+        t_lo = 0
+        t_hi = num_tiles
+    k_base = cache_ptr + kvh * stride_c_h
+    v_base = k_base + stride_c_kv
+    bt_row = bt_ptr + tl.minimum(r, num_reqs - 1).to(tl.int64) * stride_bt
+    if PDL:
+        # Everything above is metadata (kernels/pdl.py). Before waiting for q and this step's KV
+        # slot, ask L2 for the first K/V tiles of the share: their block ids are metadata, and the
+        # lines are re-read after the wait, so the one the wait protects is never used stale.
+        if PREFETCH_TILES > 0:
+            lines = tl.arange(0, PREFETCH_LINES) * (HEAD_DIM // PREFETCH_LINES)
+            for tile in range(t_lo, tl.minimum(t_hi, t_lo + PREFETCH_TILES)):
+                n = tile * TILE_N + tl.arange(0, TILE_N)
+                blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n < kv_end, other=0).to(tl.int64)
+                rows = blk * stride_c_blk + (n % BLOCK_SIZE).to(tl.int64) * stride_c_tok
+                prefetch_l2(k_base + rows[:, None] + lines[None, :])
+                prefetch_l2(v_base + rows[:, None] + lines[None, :])
+        gdc_wait()   # every program, before any exit (kernels/pdl.py)
+        gdc_launch_dependents()
+    if DECODE and FUSED_MERGE:
+        if pid >= num_reqs and split > 0:
+            return  # padding rows have no keys: split 0 alone zeroes them
     if j * BLOCK_Q >= q_len:
         return
 
     # Rows: BLOCK_Q tokens x GROUP_PAD heads of this kv head.
-    context = seq_len - q_len  # KV positions before this chunk
     offs_m = tl.arange(0, BLOCK_M)
     tok_local = j * BLOCK_Q + offs_m // GROUP_PAD
     head = kvh * GROUP + offs_m % GROUP_PAD
@@ -178,19 +208,6 @@ def _unified_attention_kernel(
     if IEEE:
         q = q.to(tl.float32)
 
-    # Causal key range of the block, and the prefix below its first query that needs no mask.
-    kv_end = tl.maximum(tl.minimum(seq_len, context + tl.minimum(q_len, (j + 1) * BLOCK_Q)), 0)
-    full_end = tl.maximum(tl.minimum(context + j * BLOCK_Q + 1, kv_end), 0)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    num_full = full_end // TILE_N
-    if SPLIT:  # num_splits equal shares of this request's tiles, decided on the device
-        per = tl.cdiv(num_tiles, num_splits)
-        t_lo = split * per
-        t_hi = tl.minimum(t_lo + per, num_tiles)
-    else:
-        t_lo = 0
-        t_hi = num_tiles
-
     if FUSED_MERGE:
         if kv_end == 0:  # no key for any row (padding, seq_len 0): zeros, no partials, no counter
             if split == 0:
@@ -198,9 +215,6 @@ def _unified_attention_kernel(
                 tl.store(dst, tl.zeros((BLOCK_M, HEAD_DIM), out_ptr.dtype.element_ty), mask=row_ok[:, None])
             return
 
-    k_base = cache_ptr + kvh * stride_c_h
-    v_base = k_base + stride_c_kv
-    bt_row = bt_ptr + tl.minimum(r, num_reqs - 1).to(tl.int64) * stride_bt
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -336,6 +350,9 @@ def _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, 
         MERGE_CHUNK=v.merge_chunk,
         num_warps=v.num_warps, num_stages=v.num_stages, **pdl_kwargs,
     )
+    if pdl_kwargs["PDL"] and v.decode and PDL_PREFETCH_TILES:
+        kwargs.update(PREFETCH_TILES=PDL_PREFETCH_TILES,
+                      PREFETCH_LINES=max(1, head_dim * kv_cache.element_size() // 128))
     main = _jit(_unified_attention_kernel, grid, args, kwargs, 9, record)
     merge = None
     if v.split and not v.fused_merge:

@@ -11,12 +11,14 @@ kernel that opts in:
     before `gdc_wait()`, which returns when the previous grid has completed and its writes are
     visible.
 
-What may come before the wait is what no kernel of the step writes: the weights. The skinny GEMM
-loads its weight tile there, so a projection's weight stream overlaps the kernel before it; the
-other kernels wait first thing and gain only the launch. (Tried in session 14 and dropped: decode
-attention reading its seq_len and block ids before the wait made P1 0.6B full_decode 18 µs a step
-slower, and an L2 prefetch of its first K/V tiles there only won that back; triggering the next
-launch before the wait cost 31 µs. docs/PERF.md, session 14.) The wait is executed by every program
+What may come before the wait is what no kernel of the step writes: the weights, and the step's
+metadata (positions, slot mapping, seq_lens, query_start_loc, block table), which only the copies
+before the graph write. The skinny GEMM loads its weight tile there, so a projection's weight stream
+overlaps the kernel before it. Decode attention loads its seq_len and block ids there, and asks
+L2 for its first K/V tiles
+(`prefetch_l2`): a prefetch keeps no value and no L1 line, and the KV slot that the RoPE + KV write
+before it stores lands in L2, the point of coherence, so a line fetched early is never stale. The
+other kernels wait first thing and gain only the launch. The wait is executed by every program
 before any early exit, so a kernel never completes before its predecessor has, and the ordering is
 transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
 
@@ -40,11 +42,13 @@ import os
 from contextlib import contextmanager
 
 import torch
+import triton
+import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pcg_engine.kernels import triton_interpreting
 
-__all__ = ["active", "enabled", "launch_kwargs", "scope", "gdc_wait", "gdc_launch_dependents"]
+__all__ = ["active", "enabled", "launch_kwargs", "scope", "gdc_wait", "gdc_launch_dependents", "prefetch_l2"]
 
 _WANTED = os.environ.get("PCG_PDL", "1") != "0" and not triton_interpreting()
 
@@ -52,6 +56,15 @@ _WANTED = os.environ.get("PCG_PDL", "1") != "0" and not triton_interpreting()
 @functools.lru_cache(maxsize=None)
 def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the cache line of each pointer (a tensor of them); returns nothing to use. Inline
+    PTX: for PDL kernels only (never in Triton's CPU interpreter). is_pure=False keeps the
+    compiler from dropping it for its unused result."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 _depth = 0   # scope() nesting: the engine is single-threaded, like the graphs it captures

@@ -98,12 +98,14 @@ def test_gpu_pdl_graph_replays_equal_plain_launches(monkeypatch):
                     reason="needs an sm_90+ GPU")
 @pytest.mark.parametrize("splits", [1, 16])
 def test_gpu_pdl_attention_reads_the_kv_slot_written_just_before(monkeypatch, splits):
-    """Decode attention launched with PDL right after the RoPE + KV write: each replay writes a new
-    token's K/V that attention must see, at a growing seq_len (a read before gdc_wait would miss it)."""
+    """Decode attention with PDL reads its metadata and prefetches K/V before gdc_wait: each replay
+    writes a new token's K/V (RoPE + KV write) that attention must see, at a growing seq_len."""
+    from pcg_engine.attention import launch_config
     from pcg_engine.attention.rope_kv import rope_and_write_kv
     from pcg_engine.attention.torch_backend import paged_attention_reference
     from pcg_engine.attention.triton_attention import unified_attention
     dev, bf = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(launch_config, "PDL_PREFETCH_TILES", 2)
     g = torch.Generator(device=dev).manual_seed(1)
     R, Hq, Hk, D, BS, width = 2, 16, 8, 128, 16, 40
     cache0 = torch.randn(2, 1 + R * width, BS, Hk, D, device=dev, generator=g).to(bf)
