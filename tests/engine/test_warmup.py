@@ -139,7 +139,7 @@ def launch_key(kernel, args, kwargs) -> tuple:
     no_spec = set(kernel.kwargs.get("do_not_specialize") or ())
     spec = []
     for name, p in params.items():
-        value = bound[name]
+        value = bound[name] if name in bound else p.default     # a constexpr left at its default
         if "constexpr" in str(p.annotation):
             spec.append((name, "constexpr", value))
         else:
