@@ -131,7 +131,8 @@ def graph_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devic
 
 # Decode attention with PDL (the full decode graphs): key tiles of its share a program asks L2 for
 # before it waits for the kernel before it (kernels/pdl.py). Predicted on the H200: one DRAM round
-# trip (~1-2 us) off each layer's attention, batch-1 full_decode -30 to -50 us a step.
+# trip (~1-2 us) off each layer's attention, batch-1 full_decode -30 to -50 us a step; measured
+# (with the metadata reads before the wait, docs/PERF.md session 23): Qwen3-0.6B -29.5 us, 8B -26 us.
 # PCG_PDL_PREFETCH_TILES=0 turns it off (an A/B switch, read at import).
 PDL_PREFETCH_TILES = max(0, int(os.environ.get("PCG_PDL_PREFETCH_TILES", "2")))
 
