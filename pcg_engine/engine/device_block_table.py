@@ -6,7 +6,8 @@ columns into the staging and a large copy; but in a run of decode steps the batc
 changes and each row only ever gains a block at its end (DESIGN.md: block-table rows change by
 appending). So the device copy is kept: while the step's rows equal the last step's (same order,
 same padding, no row changed hands: RowState.version), only the blocks appended since go, as
-(flat index, block id) pairs in the step's one copy, written by one index_copy_ on the device.
+(flat index, block id) pairs in the step's one copy, written by one kernel on the device
+(kernels/scatter.py).
 
 The appends must be known one by one: InputBatch.sync_rows records those of the scheduler's decode
 fast path (`record`); any other edit of the host table (`unknown`) or a row's blocks replaced in
@@ -17,6 +18,8 @@ the static buffers (warm-up, graph capture).
 import numpy as np
 import torch
 
+from pcg_engine.kernels.scatter import scatter_
+
 _UNKNOWN = object()     # host-table edits since the last step that were not recorded one by one
 
 
@@ -26,6 +29,7 @@ class DeviceBlockTable:
         self.host_table, self.num_blocks = host_table, num_blocks
         self.max_blocks = host_table.shape[1]
         self._flat = buffers.block_table.view(-1)
+        self._cuda = self._flat.is_cuda
         self._updates: dict[int, tuple] = {}
         # What the device holds: the host table of `rows` in batch order, padded to the key's Rp, at
         # the key's RowState version, but for the appends since: None (none), (batch positions,
@@ -76,7 +80,10 @@ class DeviceBlockTable:
 
     def scatter(self, k: int) -> None:
         """Write the k staged appends (already on the device, in the step's copy) into the table."""
-        pair = self._updates.get(k)
+        if self._cuda:
+            scatter_(self._flat, self.buffers.table_index, self.buffers.table_value, k)
+            return
+        pair = self._updates.get(k)         # the CPU's index_copy_ on views kept per k
         if pair is None:
             with torch.inference_mode(False):
                 pair = self._updates[k] = (self.buffers.table_index[:k], self.buffers.table_value[:k])

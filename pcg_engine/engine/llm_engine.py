@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pcg_engine.kernels.argmax import greedy_tokens
+from pcg_engine.kernels.argmax import greedy_tokens, workspace_for
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine import gc_freeze
 from pcg_engine.engine.block_manager import BlockManager
@@ -104,6 +104,7 @@ class LLMEngine:
         shared.manual_seed(config.seed)
         self.sampler = Sampler(shared)
         self.readback = TokenReadback(config.max_num_seqs, self.device)
+        self.argmax_workspace = workspace_for(config.max_num_seqs, self.vocab_size, self.device)
         self.async_scheduling = config.resolved_async(self.device.type)
         self.inflight: Inflight | None = None
         # Launched steps whose read-back an exception (Ctrl-C in the wait) stopped: the next step
@@ -427,7 +428,7 @@ class LLMEngine:
             sampled = self.sampler(logits, self.sampling.select(rows))
             self.sampling.record_sampled(sampled.token_ids, rows)
         else:
-            sampled = SamplerOutput(token_ids=greedy_tokens(logits))   # kernels/argmax.py
+            sampled = SamplerOutput(token_ids=greedy_tokens(logits, self.argmax_workspace))   # kernels/argmax.py
         self.stats.steps += 1
         pending = self.readback.start(sampled)
         if state is not None and getattr(inputs, "sample_row_ids", None) is not None:

@@ -39,7 +39,7 @@ import torch
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.launch_config import host_cdiv
 from pcg_engine.attention.metadata import AttentionMetadata
-from pcg_engine.kernels import activation, argmax, fused_moe, norm
+from pcg_engine.kernels import activation, argmax, fused_moe, norm, scatter
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,8 @@ def warm_up(runner, progress=None) -> list[WarmupStep]:
         if task is not None:
             progress.advance(task)
     lm_head = runner.model.lm_head_weight
-    argmax.warm_up(lm_head.shape[0], lm_head.dtype, runner.device)   # greedy sampling's kernels
+    argmax.warm_up(lm_head.shape[0], lm_head.dtype, runner.device)   # greedy sampling's kernel
+    scatter.warm_up(runner.device)      # the block-table appends' kernel
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     runner.timings["warmup_s"] = time.perf_counter() - t0

@@ -1,20 +1,22 @@
-"""Greedy sampling's argmax over the vocabulary, in two passes that spread a row over many programs.
+"""Greedy sampling's argmax over the vocabulary, one launch whose programs split each row.
 
 torch.argmax reduces each row in one thread block. At batch 1 that is one SM reading Qwen3's
 151,936 logits (8.7 µs on the H200, session 5's piecewise profile, ~1% of a 0.93 ms step); at
 batch 256 the rows fill the GPU, but the reduction kernel still runs well under the copy bandwidth.
-Here pass 1 gives each program a CHUNK of one row (grid rows x chunks: 75 programs at batch 1)
-and writes that chunk's maximum and the index of its first occurrence; pass 2, one program a row,
-picks the first chunk holding the row's maximum. Chunks are in index order, so ties resolve to the
+Here each program takes a CHUNK of one row (grid rows x chunks: 75 programs at batch 1) and
+writes that chunk's maximum and the index of its first occurrence; the row's last program to
+finish (an atomic counter a row, in the caller's ArgmaxWorkspace) picks the first chunk holding the
+row's maximum. (Until session 24 a second launch, one program a row, did that: on the P4 host path
+it cost a launch and a scratch allocation a step.) Chunks are in index order, so ties resolve to the
 lowest index, as torch.argmax documents. NaN counts as larger than every number (torch.argmax
 returns a NaN's index too); a row holding both NaN and +inf may name either.
 
 The engine calls this once a step outside any CUDA graph, so its host cost is on the step's path:
 two launches through Triton's JIT cost ~50 µs on the H200's host (P4, session 6: the host-only step
-at 16 requests went 0.12 -> 0.19 ms when this replaced torch.argmax). A repeated call therefore
-re-issues the launches the first call of its shape recorded (kernels/fast_launch.py), the three
-pointers of each passed per call, keyed on everything else the launches take (device, dtype, rows,
-width, row stride). The pointers must be 16-byte aligned, the class the record was made with; an
+at 16 requests went 0.12 -> 0.19 ms when they replaced torch.argmax). A repeated call therefore
+re-issues the launch the first call of its shape recorded (kernels/fast_launch.py), its five
+pointers passed per call, keyed on everything else the launch takes (device, dtype, rows, width,
+row stride). The pointers must be 16-byte aligned, the class the record was made with; an
 unaligned x goes through the JIT.
 """
 
@@ -33,7 +35,8 @@ ENABLED = os.environ.get("PCG_TRITON_ARGMAX", "1") != "0"
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, num_chunks, CHUNK: tl.constexpr):
+def _argmax_kernel(x_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, V, stride_x, num_chunks,
+                   CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -42,22 +45,44 @@ def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, num_chunks, CHUNK: t
     best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * num_chunks + chunk, best)
     tl.store(idx_ptr + row * num_chunks + chunk, chunk * CHUNK + where)
+    # The row's last program to get here picks its chunk. The barrier puts every thread's stores
+    # before the atomic, whose release makes them visible to the program that acquires after it.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
+    if arrived == num_chunks - 1:
+        c = tl.arange(0, CHUNKS_PAD)
+        # .cg: read from L2, where the other programs' stores are, never a stale L1 line.
+        vals = tl.load(val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"),
+                       cache_modifier=".cg")
+        _, first = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        index = tl.load(idx_ptr + row * num_chunks + first, cache_modifier=".cg")
+        tl.store(out_ptr + row, index.to(tl.int64))
+        tl.store(count_ptr + row, 0)       # zero again for the next launch
 
 
-@triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, CHUNKS_PAD)
-    vals = tl.load(val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
-    _, first = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    index = tl.load(idx_ptr + row * num_chunks + first)
-    tl.store(out_ptr + row, index.to(tl.int64))
+class ArgmaxWorkspace:
+    """What the kernel keeps between its programs, for up to max_rows rows of up to `width`
+    logits: each chunk's maximum and its index, and one arrival counter a row, zero between
+    launches (the row's last program resets it). An engine keeps one, so that a step allocates
+    only its output: its launches are ordered on one stream, and two launches sharing the counters
+    at once (two engines, two streams) would break them, so the workspace is not shared."""
+
+    def __init__(self, max_rows: int, width: int, device):
+        self.max_rows, self.width = max_rows, width
+        chunks = max(max_rows, 1) * -(-max(width, 1) // CHUNK)
+        self.vals = torch.empty(chunks, dtype=torch.float32, device=device)
+        self.idx = torch.empty(chunks, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(max(max_rows, 1), dtype=torch.int32, device=device)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.max_rows and x.shape[1] <= self.width and x.device == self.counts.device
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, workspace: ArgmaxWorkspace | None = None) -> torch.Tensor:
     """x [R, V] (last dim contiguous) -> int64 [R]: the index of each row's first maximum.
 
-    A row of only -inf gives 0, as torch.argmax does."""
+    A row of only -inf gives 0, as torch.argmax does. workspace: the caller's (see
+    ArgmaxWorkspace); without one, or one too small, a fresh one is made for the call."""
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax_rows: expected [R, V] with V > 0, got {tuple(x.shape)}")
     # The kernel compares in fp32: float64 (or integer) values that differ below fp32's precision
@@ -70,53 +95,50 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(R, dtype=torch.int64, device=x.device)
     if R == 0:
         return out
+    if workspace is None or not workspace.fits(x):
+        workspace = ArgmaxWorkspace(R, V, x.device)
     num_chunks = -(-V // CHUNK)
-    # One scratch allocation: the chunk maxima (fp32), then their indices (int32) from a 16-byte
-    # boundary, so both keep the alignment class their recorded launch was made with.
-    idx_at = -(-R * num_chunks // 4) * 4
-    scratch = torch.empty(idx_at + R * num_chunks, dtype=torch.float32, device=x.device)
-    x_p, s_p, o_p = x.data_ptr(), scratch.data_ptr(), out.data_ptr()
-    i_p = s_p + idx_at * 4
+    ptrs = (x.data_ptr(), workspace.vals.data_ptr(), workspace.idx.data_ptr(), workspace.counts.data_ptr(),
+            out.data_ptr())
     key = None
-    if fast_launch.ENABLED and not (x_p | s_p | o_p) & 15:
+    if fast_launch.ENABLED and not (ptrs[0] | ptrs[4]) & 15:     # the workspace's are aligned
         key = (fast_launch.current_device(), x.dtype, R, V, x.stride(0))
         plan = _PLANS.get(key)
         if plan is not None and not fast_launch.jit_only():
-            stream = fast_launch.current_stream(key[0])
-            plan[0](stream, (x_p, s_p, i_p))
-            plan[1](stream, (s_p, i_p, o_p))
+            plan(fast_launch.current_stream(key[0]), ptrs)
             return out
-    vals = scratch[:R * num_chunks].view(R, num_chunks)
-    idx = scratch[idx_at:].view(torch.int32).view(R, num_chunks)
-    args1 = (x, vals, idx, V, x.stride(0), num_chunks)
-    kw1 = dict(CHUNK=CHUNK, num_warps=4)
-    args2 = (vals, idx, out, num_chunks)
-    kw2 = dict(CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1)
+    args = (x, workspace.vals, workspace.idx, workspace.counts, out, V, x.stride(0), num_chunks)
+    kw = dict(CHUNK=CHUNK, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4)
     if key is None:
-        _chunk_max_kernel[(R, num_chunks)](*args1, **kw1)
-        _pick_chunk_kernel[(R,)](*args2, **kw2)
+        _argmax_kernel[(R, num_chunks)](*args, **kw)
         return out
-    first = fast_launch.jit_launch(_chunk_max_kernel, (R, num_chunks), args1, kw1, slots=3)
-    second = fast_launch.jit_launch(_pick_chunk_kernel, (R,), args2, kw2, slots=3)
-    if first is not None and second is not None:
-        _PLANS.put(key, (first, second))
+    plan = fast_launch.jit_launch(_argmax_kernel, (R, num_chunks), args, kw, slots=5)
+    if plan is not None:
+        _PLANS.put(key, plan)
     return out
 
 
-# (device, dtype, R, V, row stride) -> the two recorded launches. R is the step's row count: a
+# (device, dtype, R, V, row stride) -> the recorded launch. R is the step's row count: a
 # few dozen live values in a serving run.
 _PLANS = fast_launch.LaunchCache(256)
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The engine's all-greedy sampling: these kernels for CUDA logits, torch.argmax elsewhere."""
+def greedy_tokens(logits: torch.Tensor, workspace: ArgmaxWorkspace | None = None) -> torch.Tensor:
+    """The engine's all-greedy sampling: this kernel for CUDA logits, torch.argmax elsewhere."""
     if ENABLED and logits.is_cuda and logits.dim() == 2 and logits.dtype in _DTYPES:
-        return argmax_rows(logits)
+        return argmax_rows(logits, workspace)
     return logits.argmax(dim=-1)
 
 
+def workspace_for(max_rows: int, width: int, device: torch.device) -> ArgmaxWorkspace | None:
+    """An engine's workspace for greedy_tokens: None where greedy_tokens takes torch.argmax."""
+    if ENABLED and torch.device(device).type == "cuda":
+        return ArgmaxWorkspace(max_rows, width, device)
+    return None
+
+
 def warm_up(width: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile both kernels at start-up for the LM head's [R, width] logits (one variant a model:
-    R sets only the grids), so the first greedy step does not stall on a compile."""
+    """Compile the kernel at start-up for the LM head's [R, width] logits (one variant a model:
+    R sets only the grid), so the first greedy step does not stall on a compile."""
     if ENABLED and device.type == "cuda":
         argmax_rows(torch.zeros((1, width), dtype=dtype, device=device))

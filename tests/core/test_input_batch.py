@@ -87,10 +87,11 @@ def check_step(batch, scheduled, tables, prev_sample_pos, previous_tokens, pad_t
 class Workload:
     """Engine-like driver of one InputBatch with random decisions."""
 
-    def __init__(self, seed, async_mode):
+    def __init__(self, seed, async_mode, device="cpu"):
         self.rng = random.Random(seed)
         self.async_mode = async_mode
-        self.batch = InputBatch(MAX_SEQS, MAX_LEN, BS, MAX_TOKENS, torch.device("cpu"))
+        self.device = torch.device(device)
+        self.batch = InputBatch(MAX_SEQS, MAX_LEN, BS, MAX_TOKENS, self.device)
         self.free_blocks = list(range(1, NUM_BLOCKS))
         self.rng.shuffle(self.free_blocks)
         self.active: list[Request] = []
@@ -124,7 +125,7 @@ class Workload:
         """"Launch" a prepared step: computed advances, the sampling rows get a placeholder (async)
         or their token. mirror: also tell the batch each change (set_token, update), as the
         general path does; the decode path's batch learns them from sync_rows instead."""
-        sampled = torch.tensor([rng.randint(3, 999) for _ in got.sample_rows], dtype=torch.long)
+        sampled = torch.tensor([rng.randint(3, 999) for _ in got.sample_rows], dtype=torch.long, device=self.device)
         for r, n in scheduled:
             r.num_computed_tokens += n
         # Async: step s-1's placeholders are resolved on the host after step s is launched.
@@ -297,8 +298,8 @@ class DecodeWorkload(Workload):
     prepare keeps the device block table by appending; now and then an arrival, a finish, a
     preemption or a row whose blocks are replaced (same count, other ids) breaks the pattern."""
 
-    def __init__(self, seed, async_mode):
-        super().__init__(seed, async_mode)
+    def __init__(self, seed, async_mode, device="cpu"):
+        super().__init__(seed, async_mode, device)
         self.rows = None          # the last decode step's rows array, reused while unchanged
         self.decode_steps = self.appends = 0
 
@@ -370,10 +371,10 @@ class DecodeWorkload(Workload):
 @pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("seed", range(4))
-def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode):
+def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode, device="cpu"):
     """The all-decode path (device block table kept by appending, constant parts kept in the
     staging, in-order placeholders by one device copy) gives the same flat batch as the rebuild."""
-    w = DecodeWorkload(seed, async_mode)
+    w = DecodeWorkload(seed, async_mode, device)
     for _ in range(4):
         w.new_request()
     appended = 0
@@ -383,6 +384,16 @@ def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode):
         appended += before is not None and w.batch.device_table.rows is before
     assert w.decode_steps > 80 and w.appends > 20
     assert appended > 40, "most decode steps should keep the device block table"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("seed", range(3))
+def test_gpu_decode_steps_append_to_the_device_block_table(seed, async_mode):
+    """The same on CUDA, where the appends are written by kernels/scatter.py's kernel (recorded
+    launches, k changing from step to step) instead of index_copy_."""
+    test_decode_steps_append_to_the_device_block_table(seed, True, async_mode, "cuda")
 
 
 def test_invalidate_sends_everything_again():

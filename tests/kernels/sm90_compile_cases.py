@@ -146,6 +146,16 @@ def argmax_cases(add):
         add(f"argmax_rows {m.name} R={rows}", False, argmax_rows, empty(rows, m.vocab, dtype=m.dtype))
 
 
+def scatter_cases(add):
+    """The block-table appends' kernel; scatter_ takes index_copy_ for CPU tensors, so the case
+    launches the kernel as scatter_ does on CUDA (int32 table, k not specialised)."""
+    from pcg_engine.kernels.scatter import BLOCK, _scatter_kernel
+    for k in (1, 16):
+        add(f"scatter k={k}", False, lambda k=k: _scatter_kernel[(1,)](
+            empty(4 * BLOCK, dtype=torch.int32), empty(BLOCK, dtype=torch.int64), empty(BLOCK, dtype=torch.int32), k,
+            BLOCK=BLOCK, num_warps=4))
+
+
 def l2_prefetch_cases(add):
     """scripts/bench_l2_prefetch.py's requests, every mode; available() says no on the CPU, so it is
     told yes here (the kernel's inline PTX is what ptxas must take)."""
@@ -266,7 +276,7 @@ def collect() -> list[tuple[str, dict]]:
 
     # the slow compiles first, so the last ones to finish are short
     for cases in (attention_cases, moe_cases, skinny_cases, norm_cases, activation_cases, argmax_cases,
-                  l2_prefetch_cases):
+                  scatter_cases, l2_prefetch_cases):
         cases(add)
     tasks, seen = [], set()
     for label, kernel, args, kwargs in launches:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pcg_engine.kernels.argmax import CHUNK, argmax_rows
+from pcg_engine.kernels.argmax import CHUNK, ArgmaxWorkspace, argmax_rows
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -53,6 +53,31 @@ def test_dtypes_the_fp32_compare_cannot_order_are_refused():
     assert greedy_tokens(close).item() == 1   # torch.argmax for those
 
 
+def test_a_kept_workspace_serves_call_after_call():
+    """The engine's case: one workspace, calls of different row counts and widths up to its size.
+    Each call must leave the per-row arrival counters at zero, or the next call's last program
+    would never see its count and leave its row unwritten (poisoned below, so that shows)."""
+    ws = ArgmaxWorkspace(6, 3 * CHUNK, DEVICE)
+    ws.vals.fill_(float("nan"))                  # stale scratch from earlier calls must not matter
+    ws.idx.fill_(-7)
+    gen = torch.Generator().manual_seed(torch.seed())
+    for rows, vocab in [(6, 3 * CHUNK), (2, CHUNK + 3), (6, 3 * CHUNK), (1, 5), (4, 2 * CHUNK)]:
+        x = torch.randn(rows, vocab, generator=gen).to(DEVICE)
+        if rows > 1:
+            x[1, :] = 2.0                        # all ties: the first
+        assert torch.equal(argmax_rows(x, ws), x.argmax(dim=-1)), (rows, vocab)
+        assert int(ws.counts.abs().sum()) == 0, (rows, vocab)
+
+
+def test_a_workspace_too_small_or_elsewhere_is_not_used():
+    ws = ArgmaxWorkspace(2, CHUNK, DEVICE)
+    for x in (torch.randn(3, CHUNK, device=DEVICE), torch.randn(2, CHUNK + 1, device=DEVICE)):
+        assert not ws.fits(x)
+        assert torch.equal(argmax_rows(x, ws), x.argmax(dim=-1))
+    assert int(ws.counts.abs().sum()) == 0
+    assert ws.fits(torch.randn(2, CHUNK, device=DEVICE))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("rows", [1, 7, 256])
@@ -82,3 +107,28 @@ def test_gpu_repeated_calls_reissue_the_recorded_launches():
         assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
     if fast_launch.ENABLED:
         assert len(am._PLANS) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_kept_workspace_in_recorded_launches_and_a_cuda_graph():
+    """The engine's workspace through the recorded launch, many calls in a row on fresh logits
+    (a counter left non-zero shows as an unwritten, poisoned row), then captured in a CUDA graph
+    and replayed with new logits copied in."""
+    ws = ArgmaxWorkspace(256, 151936, "cuda")
+    for step in range(20):
+        rows = (1, 7, 256, 64)[step % 4]
+        x = torch.randn(rows, 151936, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(argmax_rows(x, ws), x.argmax(dim=-1)), step
+    assert int(ws.counts.abs().sum()) == 0
+    static = torch.randn(64, 151936, device="cuda", dtype=torch.bfloat16)
+    argmax_rows(static, ws)                          # compiled and recorded outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = argmax_rows(static, ws)
+    for _ in range(5):
+        static.copy_(torch.randn_like(static))
+        out.fill_(-1)
+        graph.replay()
+        assert torch.equal(out, static.argmax(dim=-1))
