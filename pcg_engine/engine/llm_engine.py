@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pcg_engine.kernels.argmax import greedy_tokens, workspace_for
+from pcg_engine.kernels.argmax import argmax_rows, greedy_tokens, kernel_serves, workspace_for
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine import gc_freeze
 from pcg_engine.engine.block_manager import BlockManager
@@ -105,6 +105,7 @@ class LLMEngine:
         self.sampler = Sampler(shared)
         self.readback = TokenReadback(config.max_num_seqs, self.device)
         self.argmax_workspace = workspace_for(config.max_num_seqs, self.vocab_size, self.device)
+        self._zero_copy = self.argmax_workspace is not None and self.readback.zero_copy
         self.async_scheduling = config.resolved_async(self.device.type)
         self.inflight: Inflight | None = None
         # Launched steps whose read-back an exception (Ctrl-C in the wait) stopped: the next step
@@ -427,10 +428,16 @@ class LLMEngine:
             rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
             sampled = self.sampler(logits, self.sampling.select(rows))
             self.sampling.record_sampled(sampled.token_ids, rows)
+            pending = self.readback.start(sampled)
+        elif self._zero_copy and kernel_serves(logits):
+            # kernels/argmax.py writes the tokens into the read-back's pinned buffer too: no copy.
+            i, host, address = self.readback.claim(logits.shape[0])
+            sampled = SamplerOutput(token_ids=argmax_rows(logits, self.argmax_workspace, host, address))
+            pending = self.readback.written(i, host)
         else:
             sampled = SamplerOutput(token_ids=greedy_tokens(logits, self.argmax_workspace))   # kernels/argmax.py
+            pending = self.readback.start(sampled)
         self.stats.steps += 1
-        pending = self.readback.start(sampled)
         if state is not None and getattr(inputs, "sample_row_ids", None) is not None:
             return launch_rows(state, plan.scheduled, inputs, sampled, pending, self.async_scheduling)
         slots = []

@@ -10,12 +10,22 @@ behind it; reading back waits on that event alone.
 Two pinned buffers (and two events) are used alternately: step s+1's copy must not overwrite the
 buffer that step s's read-back has not consumed yet, and at most two steps are in flight. Their
 views per row count are kept, so a step slices nothing.
+
+Greedy steps need no copy at all: the argmax kernel writes the tokens into the pinned buffer
+itself (`claim`, then `written` records the event behind the kernel). The copy's `Tensor.copy_`
+was ~15-20 µs of a 256-row step's host time on the H200's host (session 24's P4 parts). A kernel
+reaches pinned memory at the address the driver gives (argmax.pinned_address), asked once per
+buffer; where it cannot be asked, `zero_copy` is False and every step copies.
+PCG_ZERO_COPY_READBACK=0 turns it off (an A/B switch, read at construction).
 """
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pcg_engine.kernels.argmax import pinned_address
 
 
 @dataclass
@@ -43,33 +53,48 @@ class TokenReadback:
             # object is cached by its raw handle instead, so a side stream still gets its own.
             self._index = device.index if device.index is not None else torch.cuda.current_device()
             self._streams: dict[int, torch.cuda.Stream] = {}
+            self._addresses = [pinned_address(b) for b in self._buffers]
+        self.zero_copy = (self.cuda and None not in self._addresses
+                          and os.environ.get("PCG_ZERO_COPY_READBACK", "1") != "0")
 
-    def start(self, sampled) -> PendingTokens:
-        """Enqueue the copies of `sampled` (a SamplerOutput) right behind the kernels that made it."""
-        if not self.cuda:
-            return PendingTokens(sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
-        n = sampled.token_ids.shape[0]
+    def claim(self, n: int) -> tuple[int, torch.Tensor, int]:
+        """The next pinned buffer's first n entries, for a kernel to write a step's n tokens into:
+        (its set, the view, the address a kernel writes it at). Pass the set and view to
+        written() once that kernel is launched. CUDA only."""
         i = self._flip
         self._flip ^= 1
         buf = self._views[i].get(n)
         if buf is None:
             with torch.inference_mode(False):    # usable in and out of inference mode
                 buf = self._views[i][n] = self._buffers[i][:n]
-        buf.copy_(sampled.token_ids, non_blocking=True)
+        return i, buf, self._addresses[i]
 
-        def host(t):   # rare (logprobs asked): a fresh pinned tensor, same ordering guarantee
-            return None if t is None else t.to("cpu", non_blocking=True)
-        if sampled.logprobs is None and sampled.top_ids is None and sampled.top_logprobs is None:
-            pending = PendingTokens(buf, event=self._events[i])
-        else:
-            pending = PendingTokens(buf, host(sampled.logprobs), host(sampled.top_ids), host(sampled.top_logprobs),
-                                    self._events[i])
+    def written(self, i: int, buf: torch.Tensor) -> PendingTokens:
+        """claim()'s buffer, written by a kernel just launched on the current stream: its event."""
+        return self._recorded(PendingTokens(buf, event=self._events[i]))
+
+    def _recorded(self, pending: PendingTokens) -> PendingTokens:
+        """pending, its event recorded on the current stream behind what was enqueued so far."""
         raw = torch._C._cuda_getCurrentRawStream(self._index)
         stream = self._streams.get(raw)
         if stream is None:
             stream = self._streams[raw] = torch.cuda.current_stream(self.device)
         pending.event.record(stream)
         return pending
+
+    def start(self, sampled) -> PendingTokens:
+        """Enqueue the copies of `sampled` (a SamplerOutput) right behind the kernels that made it."""
+        if not self.cuda:
+            return PendingTokens(sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+        i, buf, _ = self.claim(sampled.token_ids.shape[0])
+        buf.copy_(sampled.token_ids, non_blocking=True)
+        if sampled.logprobs is None and sampled.top_ids is None and sampled.top_logprobs is None:
+            return self.written(i, buf)
+
+        def host(t):   # rare (logprobs asked): a fresh pinned tensor, same ordering guarantee
+            return None if t is None else t.to("cpu", non_blocking=True)
+        return self._recorded(PendingTokens(buf, host(sampled.logprobs), host(sampled.top_ids),
+                                            host(sampled.top_logprobs), self._events[i]))
 
     @staticmethod
     def wait(pending: PendingTokens) -> list[int]:
@@ -84,3 +109,4 @@ class TokenReadback:
         if pending.event is not None:
             pending.event.synchronize()
         return pending.token_ids.numpy().copy()
+

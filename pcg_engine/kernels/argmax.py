@@ -14,12 +14,15 @@ returns a NaN's index too); a row holding both NaN and +inf may name either.
 The engine calls this once a step outside any CUDA graph, so its host cost is on the step's path:
 two launches through Triton's JIT cost ~50 µs on the H200's host (P4, session 6: the host-only step
 at 16 requests went 0.12 -> 0.19 ms when they replaced torch.argmax). A repeated call therefore
-re-issues the launch the first call of its shape recorded (kernels/fast_launch.py), its five
+re-issues the launch the first call of its shape recorded (kernels/fast_launch.py), its six
 pointers passed per call, keyed on everything else the launch takes (device, dtype, rows, width,
-row stride). The pointers must be 16-byte aligned, the class the record was made with; an
+row stride, whether it writes host memory). The engine has the kernel write the tokens into the
+read-back's pinned host buffer as well (engine/readback.py): the step then needs no device-to-host
+copy of them, one more torch call fewer on its host path. The pointers must be 16-byte aligned, the class the record was made with; an
 unaligned x goes through the JIT.
 """
 
+import ctypes
 import os
 
 import torch
@@ -35,8 +38,8 @@ ENABLED = os.environ.get("PCG_TRITON_ARGMAX", "1") != "0"
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, V, stride_x, num_chunks,
-                   CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+def _argmax_kernel(x_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, host_ptr, V, stride_x, num_chunks,
+                   CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, HOST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -57,6 +60,8 @@ def _argmax_kernel(x_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, V, stride_x, num
         _, first = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
         index = tl.load(idx_ptr + row * num_chunks + first, cache_modifier=".cg")
         tl.store(out_ptr + row, index.to(tl.int64))
+        if HOST:                           # pinned host memory too: the read-back needs no copy
+            tl.store(host_ptr + row, index.to(tl.int64))
         tl.store(count_ptr + row, 0)       # zero again for the next launch
 
 
@@ -78,11 +83,15 @@ class ArgmaxWorkspace:
         return x.shape[0] <= self.max_rows and x.shape[1] <= self.width and x.device == self.counts.device
 
 
-def argmax_rows(x: torch.Tensor, workspace: ArgmaxWorkspace | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, workspace: ArgmaxWorkspace | None = None, host_out: torch.Tensor | None = None,
+                host_address: int | None = None) -> torch.Tensor:
     """x [R, V] (last dim contiguous) -> int64 [R]: the index of each row's first maximum.
 
     A row of only -inf gives 0, as torch.argmax does. workspace: the caller's (see
-    ArgmaxWorkspace); without one, or one too small, a fresh one is made for the call."""
+    ArgmaxWorkspace); without one, or one too small, a fresh one is made for the call.
+    host_out: pinned host memory (int64, >= R entries, CUDA x only) that the kernel writes the
+    result into as well, at host_address, the address a kernel reaches it by (engine/readback.py
+    finds it); the caller waits for the kernel (an event) before reading it."""
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax_rows: expected [R, V] with V > 0, got {tuple(x.shape)}")
     # The kernel compares in fp32: float64 (or integer) values that differ below fp32's precision
@@ -97,35 +106,46 @@ def argmax_rows(x: torch.Tensor, workspace: ArgmaxWorkspace | None = None) -> to
         return out
     if workspace is None or not workspace.fits(x):
         workspace = ArgmaxWorkspace(R, V, x.device)
+    host = host_out is not None
+    if host and (host_out.dtype != torch.int64 or len(host_out) < R or host_address is None):
+        raise ValueError(f"argmax_rows: host_out must be int64 with >= {R} entries, with its kernel address")
     num_chunks = -(-V // CHUNK)
     ptrs = (x.data_ptr(), workspace.vals.data_ptr(), workspace.idx.data_ptr(), workspace.counts.data_ptr(),
-            out.data_ptr())
+            out.data_ptr(), host_address if host else out.data_ptr())
     key = None
-    if fast_launch.ENABLED and not (ptrs[0] | ptrs[4]) & 15:     # the workspace's are aligned
-        key = (fast_launch.current_device(), x.dtype, R, V, x.stride(0))
+    if fast_launch.ENABLED and not (ptrs[0] | ptrs[4] | ptrs[5]) & 15:     # the workspace's are aligned
+        key = (fast_launch.current_device(), x.dtype, R, V, x.stride(0), host)
         plan = _PLANS.get(key)
         if plan is not None and not fast_launch.jit_only():
             plan(fast_launch.current_stream(key[0]), ptrs)
             return out
-    args = (x, workspace.vals, workspace.idx, workspace.counts, out, V, x.stride(0), num_chunks)
-    kw = dict(CHUNK=CHUNK, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=4)
+    # The JIT takes the pinned tensor itself (it finds its kernel address); the record, its address.
+    args = (x, workspace.vals, workspace.idx, workspace.counts, out, host_out if host else out, V, x.stride(0),
+            num_chunks)
+    kw = dict(CHUNK=CHUNK, CHUNKS_PAD=triton.next_power_of_2(num_chunks), HOST=host, num_warps=4)
     if key is None:
         _argmax_kernel[(R, num_chunks)](*args, **kw)
         return out
-    plan = fast_launch.jit_launch(_argmax_kernel, (R, num_chunks), args, kw, slots=5)
+    compiled = _argmax_kernel[(R, num_chunks)](*args, **kw)
+    plan = fast_launch.record(_argmax_kernel, compiled, (R, num_chunks), (*args[:5], out, *args[6:]), kw, slots=6)
     if plan is not None:
         _PLANS.put(key, plan)
     return out
 
 
-# (device, dtype, R, V, row stride) -> the recorded launch. R is the step's row count: a
-# few dozen live values in a serving run.
+# (device, dtype, R, V, row stride, writes host memory) -> the recorded launch. R is the step's row
+# count: a few dozen live values in a serving run.
 _PLANS = fast_launch.LaunchCache(256)
+
+
+def kernel_serves(logits: torch.Tensor) -> bool:
+    """Whether greedy_tokens takes this kernel for these logits (else torch.argmax)."""
+    return ENABLED and logits.is_cuda and logits.dim() == 2 and logits.dtype in _DTYPES
 
 
 def greedy_tokens(logits: torch.Tensor, workspace: ArgmaxWorkspace | None = None) -> torch.Tensor:
     """The engine's all-greedy sampling: this kernel for CUDA logits, torch.argmax elsewhere."""
-    if ENABLED and logits.is_cuda and logits.dim() == 2 and logits.dtype in _DTYPES:
+    if kernel_serves(logits):
         return argmax_rows(logits, workspace)
     return logits.argmax(dim=-1)
 
@@ -138,7 +158,27 @@ def workspace_for(max_rows: int, width: int, device: torch.device) -> ArgmaxWork
 
 
 def warm_up(width: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile the kernel at start-up for the LM head's [R, width] logits (one variant a model:
-    R sets only the grid), so the first greedy step does not stall on a compile."""
+    """Compile the kernel at start-up for the LM head's [R, width] logits (two variants a model:
+    with and without the host write; R sets only the grid), so the first greedy step does not
+    stall on a compile."""
     if ENABLED and device.type == "cuda":
-        argmax_rows(torch.zeros((1, width), dtype=dtype, device=device))
+        x = torch.zeros((1, width), dtype=dtype, device=device)
+        argmax_rows(x)
+        host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        address = pinned_address(host)
+        if address is not None:
+            argmax_rows(x, host_out=host, host_address=address)
+
+
+def pinned_address(buf: torch.Tensor) -> int | None:
+    """The address at which a CUDA kernel reaches pinned host tensor `buf` (with unified
+    addressing, its own), or None where the driver cannot say."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        address = ctypes.c_uint64()
+        # CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 2; CUDA_SUCCESS = 0
+        if cuda.cuPointerGetAttribute(ctypes.byref(address), 2, ctypes.c_uint64(buf.data_ptr())) != 0:
+            return None
+        return address.value
+    except (OSError, AttributeError):
+        return None

@@ -144,6 +144,9 @@ def argmax_cases(add):
     from pcg_engine.kernels.argmax import argmax_rows
     for m, rows in ((preset("qwen3-0.6b"), 1), (preset("tiny-qwen3"), 4)):
         add(f"argmax_rows {m.name} R={rows}", False, argmax_rows, empty(rows, m.vocab, dtype=m.dtype))
+        host = empty(rows, dtype=torch.int64)          # the read-back's pinned buffer (engine/readback.py)
+        add(f"argmax_rows {m.name} R={rows} host", False, argmax_rows, empty(rows, m.vocab, dtype=m.dtype),
+            host_out=host, host_address=host.data_ptr())
 
 
 def scatter_cases(add):
@@ -154,6 +157,15 @@ def scatter_cases(add):
         add(f"scatter k={k}", False, lambda k=k: _scatter_kernel[(1,)](
             empty(4 * BLOCK, dtype=torch.int32), empty(BLOCK, dtype=torch.int64), empty(BLOCK, dtype=torch.int32), k,
             BLOCK=BLOCK, num_warps=4))
+
+
+def step_upload_cases(add):
+    """A decode step's inputs' kernel (kernels/step_upload.py), as step_buffers.py launches it;
+    upload() itself wants CUDA tensors, so the case launches the kernel the same way."""
+    from pcg_engine.kernels.step_upload import BLOCK, _upload_kernel
+    add("step_upload", False, lambda: _upload_kernel[(2,)](
+        empty(2 * BLOCK, dtype=torch.int64), empty(2 * BLOCK, dtype=torch.int64), 900, empty(4096, dtype=torch.int32),
+        empty(256, dtype=torch.int64), empty(256, dtype=torch.int32), 16, BLOCK=BLOCK, num_warps=4))
 
 
 def l2_prefetch_cases(add):
@@ -276,7 +288,7 @@ def collect() -> list[tuple[str, dict]]:
 
     # the slow compiles first, so the last ones to finish are short
     for cases in (attention_cases, moe_cases, skinny_cases, norm_cases, activation_cases, argmax_cases,
-                  scatter_cases, l2_prefetch_cases):
+                  scatter_cases, step_upload_cases, l2_prefetch_cases):
         cases(add)
     tasks, seen = [], set()
     for label, kernel, args, kwargs in launches:

@@ -78,6 +78,22 @@ def test_a_workspace_too_small_or_elsewhere_is_not_used():
     assert ws.fits(torch.randn(2, CHUNK, device=DEVICE))
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's case: the GPU tests below write pinned memory")
+def test_host_out_gets_the_same_tokens():
+    """The read-back's variant: the kernel also writes the tokens at host_address (here, under
+    the interpreter, a CPU tensor's own address). Poisoned first, so an unwritten row shows."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = ArgmaxWorkspace(5, 2 * CHUNK, DEVICE)
+    for rows in (5, 2, 5):
+        x = torch.randn(rows, 2 * CHUNK - 3, generator=gen)
+        host = torch.full((rows + 2,), -5, dtype=torch.int64)
+        out = argmax_rows(x, ws, host, host.data_ptr())
+        assert torch.equal(out, x.argmax(dim=-1))
+        assert torch.equal(host[:rows], out) and (host[rows:] == -5).all()
+    with pytest.raises(ValueError, match="host_out"):
+        argmax_rows(x, ws, torch.zeros(rows - 1, dtype=torch.int64), 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("rows", [1, 7, 256])
@@ -132,3 +148,47 @@ def test_gpu_kept_workspace_in_recorded_launches_and_a_cuda_graph():
         out.fill_(-1)
         graph.replay()
         assert torch.equal(out, static.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_host_out_in_pinned_memory_through_the_recorded_launch():
+    """The engine's read-back path: the kernel writes pinned host memory at the driver's address
+    for it; after an event, the host reads the tokens there, call after call (the recorded launch
+    after the first), with other row counts and the pinned buffers alternating."""
+    from pcg_engine.kernels.argmax import pinned_address
+    from pcg_engine.kernels import argmax as am
+    bufs = [torch.full((256,), -5, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+    addresses = [pinned_address(b) for b in bufs]
+    assert None not in addresses
+    ws = ArgmaxWorkspace(256, 151936, "cuda")
+    am._PLANS.clear()
+    for step in range(12):
+        rows = (256, 1, 64)[step % 3]
+        x = torch.randn(rows, 151936, device="cuda", dtype=torch.bfloat16)
+        i = step % 2
+        out = argmax_rows(x, ws, bufs[i][:rows], addresses[i])
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+        expected = x.argmax(dim=-1).cpu()
+        assert torch.equal(bufs[i][:rows], expected), step
+        assert torch.equal(out.cpu(), expected), step
+        bufs[i].fill_(-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_readback_claims_a_buffer_the_kernel_writes():
+    """engine/readback.py's zero-copy path as the engine runs it: claim, the kernel, written,
+    wait_array; both buffers in turn."""
+    from pcg_engine.engine.readback import TokenReadback
+    rb = TokenReadback(64, torch.device("cuda"))
+    assert rb.zero_copy
+    ws = ArgmaxWorkspace(64, 4096, "cuda")
+    for step in range(6):
+        x = torch.randn(64 - step, 4096, device="cuda")
+        i, host, address = rb.claim(x.shape[0])
+        argmax_rows(x, ws, host, address)
+        pending = rb.written(i, host)
+        assert rb.wait_array(pending).tolist() == x.argmax(dim=-1).tolist(), step
