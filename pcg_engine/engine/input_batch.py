@@ -233,7 +233,9 @@ class InputBatch:
         st.seq_lens[R:Rp] = 0
         views = self.buffers.views(Tp, Rp, S)
         table, k = self.device_table.stage(st, rows, R, Rp, -(-max_seq_len // bs), self.state.version)
-        self.buffers.send(views, i, table, k, self.device_table.scatter)
+        self.buffers.upload(views, i, table)
+        if k:
+            self.device_table.scatter(k)
 
         ph = np.flatnonzero(input_ids == PLACEHOLDER)
         if len(ph):
@@ -293,7 +295,9 @@ class InputBatch:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         table, k = self.device_table.stage(st, rows, R, Rp, -(-max_seq_len // bs), self.state.version)
-        self.buffers.send(views, i, table, k, self.device_table.scatter)
+        self.buffers.upload(views, i, table)
+        if k:
+            self.device_table.scatter(k)
         same_order = rows is self._sampled_rows
         held = np.count_nonzero(input_ids < 0)       # placeholders (not .min(): see decode_batch.py)
         if held:

@@ -328,7 +328,7 @@ def start(runner, piecewise_buckets=(), workers: int | None = None):
         return None
     runner.precompiled = True
     from pcg_engine.engine import warmup
-    from pcg_engine.kernels import argmax, scatter, step_upload
+    from pcg_engine.kernels import argmax, scatter
     t0 = time.perf_counter()
     try:
         # Warm-up off (kernel_warmup=False): nothing but what capture will launch.
@@ -339,7 +339,6 @@ def start(runner, piecewise_buckets=(), workers: int | None = None):
             lm_head = runner.model.lm_head_weight
             argmax.warm_up(lm_head.shape[0], lm_head.dtype, runner.device)
             scatter.warm_up(runner.device)
-            step_upload.warm_up(runner.device)
         torch.cuda.synchronize(runner.device)
     except Exception as e:
         runner.timings["precompile_s"] = time.perf_counter() - t0

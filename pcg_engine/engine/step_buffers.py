@@ -24,14 +24,10 @@ Views of a step's sizes are cached per (Tp, Rp, S), so a step slices no tensor: 
 inference mode off, which keeps them usable both inside and outside torch.inference_mode().
 """
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from pcg_engine.kernels import step_upload
-from pcg_engine.kernels.argmax import pinned_address
 
 ALIGN_WORDS = 32                 # 256 bytes
 COPY_WASTE_WORDS = 8192          # 64 KiB of unused words that one copy may carry along
@@ -100,16 +96,6 @@ class StepBuffers:
         self.staging = [Staging(layout, sizes, offset, pin, R, B) for _ in range(2)]
         self._flip = 0
         self._views: dict = {}
-        # One kernel for a decode step's copy and appends (kernels/step_upload.py): the staging's
-        # kernel addresses, and the pairs' fields as tensors for its first (JIT) launch.
-        addresses = [pinned_address(s.words) for s in self.staging] if pin else [None]
-        self.fused_upload = None not in addresses and os.environ.get("PCG_FUSED_UPLOAD", "1") != "0"
-        if self.fused_upload:
-            index_at, value_at = layout["table_index"][0], layout["table_value"][0]
-            self._table_flat = self.block_table.view(-1)
-            self._pairs = [(s.words[index_at:index_at + R], s.words[value_at:value_at + _words(R)].view(torch.int32)[:R])
-                           for s in self.staging]
-            self._addresses = [(a, a + 8 * index_at, a + 8 * value_at) for a in addresses]
 
     def next_staging(self) -> tuple[int, Staging]:
         i = self._flip
@@ -146,21 +132,6 @@ class StepBuffers:
         return StepViews(self.input_ids[:Tp], self.positions[:Tp], self.slot_mapping[:Tp], self.logits_indices[:S],
                          self.query_start_loc[:Rp + 1], self.seq_lens[:Rp], self.block_table[:Rp],
                          pairs(ranges), pairs(with_table), {})
-
-    def send(self, views: StepViews, staging_index: int, table: bool, appends: int, scatter) -> None:
-        """upload(), then the `appends` block-table appends staged with it, by scatter(appends)
-        (device_block_table.py); on CUDA one kernel does both where the step is one range of words
-        without the table (a decode step at the default token budget)."""
-        if self.fused_upload and not table and len(views.copies) == 1:
-            dst, srcs = views.copies[0]
-            at = dst.data_ptr() - self.words.data_ptr()         # bytes into the layout
-            src, index, value = self._addresses[staging_index]
-            step_upload.upload(dst, srcs[staging_index], self._table_flat, *self._pairs[staging_index], appends,
-                               (src + at, index, value))
-            return
-        self.upload(views, staging_index, table)
-        if appends:
-            scatter(appends)
 
     def upload(self, views: StepViews, staging_index: int, table: bool) -> None:
         """The step's one host-to-device copy (a few when the token budget is large)."""

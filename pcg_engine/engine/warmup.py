@@ -39,7 +39,7 @@ import torch
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.launch_config import host_cdiv
 from pcg_engine.attention.metadata import AttentionMetadata
-from pcg_engine.kernels import activation, argmax, fused_moe, norm, scatter, step_upload
+from pcg_engine.kernels import activation, argmax, fused_moe, norm, scatter
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,6 @@ def warm_up(runner, progress=None) -> list[WarmupStep]:
     lm_head = runner.model.lm_head_weight
     argmax.warm_up(lm_head.shape[0], lm_head.dtype, runner.device)   # greedy sampling's kernel
     scatter.warm_up(runner.device)      # the block-table appends' kernel
-    step_upload.warm_up(runner.device)  # a decode step's inputs' kernel
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     runner.timings["warmup_s"] = time.perf_counter() - t0

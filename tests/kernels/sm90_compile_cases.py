@@ -159,15 +159,6 @@ def scatter_cases(add):
             BLOCK=BLOCK, num_warps=4))
 
 
-def step_upload_cases(add):
-    """A decode step's inputs' kernel (kernels/step_upload.py), as step_buffers.py launches it;
-    upload() itself wants CUDA tensors, so the case launches the kernel the same way."""
-    from pcg_engine.kernels.step_upload import BLOCK, _upload_kernel
-    add("step_upload", False, lambda: _upload_kernel[(2,)](
-        empty(2 * BLOCK, dtype=torch.int64), empty(2 * BLOCK, dtype=torch.int64), 900, empty(4096, dtype=torch.int32),
-        empty(256, dtype=torch.int64), empty(256, dtype=torch.int32), 16, BLOCK=BLOCK, num_warps=4))
-
-
 def l2_prefetch_cases(add):
     """scripts/bench_l2_prefetch.py's requests, every mode; available() says no on the CPU, so it is
     told yes here (the kernel's inline PTX is what ptxas must take)."""
@@ -288,7 +279,7 @@ def collect() -> list[tuple[str, dict]]:
 
     # the slow compiles first, so the last ones to finish are short
     for cases in (attention_cases, moe_cases, skinny_cases, norm_cases, activation_cases, argmax_cases,
-                  scatter_cases, step_upload_cases, l2_prefetch_cases):
+                  scatter_cases, l2_prefetch_cases):
         cases(add)
     tasks, seen = [], set()
     for label, kernel, args, kwargs in launches:
