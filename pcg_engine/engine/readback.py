@@ -57,6 +57,18 @@ class TokenReadback:
         self.zero_copy = (self.cuda and None not in self._addresses
                           and os.environ.get("PCG_ZERO_COPY_READBACK", "1") != "0")
 
+    def __del__(self):
+        # The argmax kernel writes the pinned buffers behind the host allocator's back (it keeps a
+        # freed pinned block from reuse only until the copies it saw are done): wait for the last
+        # writes before the buffers go back to it. (Closing the engine synchronizes the device
+        # first anyway; this covers an engine dropped with a step in flight.)
+        if getattr(self, "zero_copy", False):
+            try:
+                for event in self._events:
+                    event.synchronize()
+            except Exception:       # interpreter shutdown: CUDA may be gone, and nothing is reused
+                pass
+
     def claim(self, n: int) -> tuple[int, torch.Tensor, int]:
         """The next pinned buffer's first n entries, for a kernel to write a step's n tokens into:
         (its set, the view, the address a kernel writes it at). Pass the set and view to
