@@ -13,9 +13,9 @@ the benchmark sizes it.
 """
 
 import argparse
-import time
 
 import torch
+from step_timers import CALLS, TIMES, timed
 
 from pcg_engine.bench import common, cpu_probe, host_overhead
 from pcg_engine.engine import block_manager, input_batch, llm_engine, readback, scheduler
@@ -30,23 +30,13 @@ PARTS = [(scheduler.Scheduler, "schedule"), (scheduler, "plan_decodes"), (block_
          (llm_engine.LLMEngine, "step")]
 
 
-def wrap(acc: dict, owner, name: str) -> None:
+def wrap(owner, name: str) -> None:
+    """owner.name timed into step_timers' accumulators (the script beside this one)."""
     fn = getattr(owner, name, None)
     if fn is None:
         return
-    label = "fake_forward" if name == "__call__" else name
-    acc[label] = [0.0, 0]
-    pc = time.perf_counter
-
-    def timed(*a, **k):
-        t = pc()
-        try:
-            return fn(*a, **k)
-        finally:
-            s = acc[label]
-            s[0] += pc() - t
-            s[1] += 1
-    setattr(owner, name, staticmethod(timed) if isinstance(owner.__dict__.get(name), staticmethod) else timed)
+    w = timed(fn, "fake_forward" if name == "__call__" else name)
+    setattr(owner, name, staticmethod(w) if isinstance(owner.__dict__.get(name), staticmethod) else w)
 
 
 def main() -> None:
@@ -60,9 +50,8 @@ def main() -> None:
     kw = {} if cuda else dict(num_kv_blocks=n * (-(-(128 + steps + 5 + 64) // 16) + 1) + 16)
     llm = LLM(common.resolve_model(args.model, 0), mode="eager", max_num_seqs=n, async_scheduling=False,
               max_num_batched_tokens=2048, **kw)
-    acc: dict = {}
     for owner, name in PARTS:
-        wrap(acc, owner, name)
+        wrap(owner, name)
     # measure() probes the CPU right before and right after its timed steps: the parts are
     # zeroed at the first probe and read at the second.
     probe, snap, calls = cpu_probe.probe, {}, [0]
@@ -70,19 +59,19 @@ def main() -> None:
     def probing():
         calls[0] += 1
         if calls[0] % 2:
-            for v in acc.values():
-                v[0], v[1] = 0.0, 0
+            TIMES.clear()
+            CALLS.clear()
         else:
-            snap.update({k: list(v) for k, v in acc.items()})
+            snap.update({k: (TIMES[k], CALLS[k]) for k in CALLS})
         return probe()
     host_overhead.cpu_probe.probe = probing
     for rep in range(args.reps):
         r = host_overhead.measure(llm, "persistent", n, steps, 128, 5, 1 + rep, None if cuda else 16)
-        timed = max(snap["step"][1], 1)
+        n_timed = max(snap["step"][1], 1)
         p = r["cpu_probe"]
         print(f"rep {rep}: host {r['host_ms_per_step'] * 1000:.1f} us/step; probe python "
               f"{p['before']['python_min_us']:.0f} -> {p['after']['python_min_us']:.0f} us")
-        print("  " + ", ".join(f"{k} {v[0] / timed * 1e6:.1f}" for k, v in snap.items() if v[1]))
+        print("  " + ", ".join(f"{k} {v[0] / n_timed * 1e6:.1f}" for k, v in snap.items() if v[1]))
     llm.close()
 
 
