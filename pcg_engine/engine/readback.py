@@ -121,4 +121,3 @@ class TokenReadback:
         if pending.event is not None:
             pending.event.synchronize()
         return pending.token_ids.numpy().copy()
-

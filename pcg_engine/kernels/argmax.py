@@ -16,10 +16,10 @@ two launches through Triton's JIT cost ~50 µs on the H200's host (P4, session 6
 at 16 requests went 0.12 -> 0.19 ms when they replaced torch.argmax). A repeated call therefore
 re-issues the launch the first call of its shape recorded (kernels/fast_launch.py), its six
 pointers passed per call, keyed on everything else the launch takes (device, dtype, rows, width,
-row stride, whether it writes host memory). The engine has the kernel write the tokens into the
-read-back's pinned host buffer as well (engine/readback.py): the step then needs no device-to-host
-copy of them, one more torch call fewer on its host path. The pointers must be 16-byte aligned, the class the record was made with; an
-unaligned x goes through the JIT.
+row stride, whether it writes host memory). The pointers must be 16-byte aligned, the class the
+record was made with; an unaligned x goes through the JIT. The engine has the kernel write the
+tokens into the read-back's pinned host buffer as well (engine/readback.py): the step then needs no
+device-to-host copy of them, one torch call fewer on its host path.
 """
 
 import ctypes
