@@ -1,4 +1,4 @@
-"""kernels/scatter.py against index_copy_: fresh random appends into a poisoned-free table, several grids."""
+"""kernels/scatter.py against index_copy_: fresh random appends into a random table, several grids."""
 
 import pytest
 import torch
