@@ -65,7 +65,8 @@ class FlatDriver:
         theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
         self.backend = make_backend("torch", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                                     block_size=BS, cos_sin=rope_cache(head_dim, 256, theta))
-        self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, kv_heads, head_dim))
+        self.dtype = next(model.parameters()).dtype      # the logits' too (compute_logits keeps it)
+        self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, kv_heads, head_dim), dtype=self.dtype)
                    for _ in range(cfg.num_hidden_layers)]
         bind_kv_caches(model, self.kv)
         self.free = list(range(1, NUM_BLOCKS))          # block 0 is the scratch block
@@ -114,7 +115,7 @@ class FlatDriver:
         assert hidden.shape[0] == len(ids)
         assert torch.isfinite(hidden).all(), "padding produced NaN/inf"
         logits = self.model.compute_logits(hidden)
-        assert logits.dtype == torch.float32
+        assert logits.dtype == self.dtype
         return [logits[qsl[i]:qsl[i + 1]] for i in range(len(chunks))]
 
 
@@ -216,7 +217,11 @@ def test_transposed_weights_give_the_same_outputs(preset, checkpoints, hf_models
 
     prompts = prompts_for(seed=3)
     late = prompts_for(seed=4)[1][:5]
-    model = load_model(checkpoints[preset], device="cpu", dtype=torch.float32)
+    # float64: the layout may change which GEMM kernel runs, so the summation order; in float32 that
+    # moved 47 of 5,120 logits by up to 5.6e-5 on an AVX-512 / AMX Xeon (session 24's dev VM; the
+    # 1e-5 tolerance failed there, at ab54be4 too). In float64 the order costs ~1e-13: the check
+    # below is tighter than the float32 one was.
+    model = load_model(checkpoints[preset], device="cpu", dtype=torch.float64)
     weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert all(w.is_contiguous() for w in weights.values())   # fuse leaves the CPU layout alone
     shapes = {n: tuple(w.shape) for n, w in weights.items()}
@@ -232,11 +237,9 @@ def test_transposed_weights_give_the_same_outputs(preset, checkpoints, hf_models
                 assert m.weight.stride() == (1, shapes[n][0]), (n, m.weight.stride())
     after, _ = run_schedule(model, hf_models[preset], prompts, late)
     assert len(before) == len(after)
-    # The same values up to the GEMMs' summation order, which the layout may change: on an
-    # AVX-512 / AMX Xeon (session 24's dev VM) the transposed projections took other kernels and
-    # 47 of 5,120 logits moved by up to 5.6e-5 (the 1e-5 of before failed at ab54be4 there too).
     for a, b in zip(before, after):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-4)
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 # ---- bad checkpoints --------------------------------------------------------------------------
