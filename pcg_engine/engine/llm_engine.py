@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pcg_engine.kernels.argmax import argmax_rows, greedy_tokens, kernel_serves, workspace_for
+from pcg_engine.kernels.argmax import argmax_rows, greedy_tokens, workspace_for
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine import gc_freeze
 from pcg_engine.engine.block_manager import BlockManager
@@ -104,7 +104,8 @@ class LLMEngine:
         shared.manual_seed(config.seed)
         self.sampler = Sampler(shared)
         self.readback = TokenReadback(config.max_num_seqs, self.device)
-        self.argmax_workspace = workspace_for(config.max_num_seqs, self.vocab_size, self.device)
+        # The logits keep the model's dtype (Qwen3ForCausalLM.compute_logits): known here, not per step.
+        self.argmax_workspace = workspace_for(config.max_num_seqs, self.vocab_size, self.device, self.runner.dtype)
         self._zero_copy = self.argmax_workspace is not None and self.readback.zero_copy
         self.async_scheduling = config.resolved_async(self.device.type)
         self.inflight: Inflight | None = None
@@ -429,7 +430,7 @@ class LLMEngine:
             sampled = self.sampler(logits, self.sampling.select(rows))
             self.sampling.record_sampled(sampled.token_ids, rows)
             pending = self.readback.start(sampled)
-        elif self._zero_copy and kernel_serves(logits):
+        elif self._zero_copy:
             # kernels/argmax.py writes the tokens into the read-back's pinned buffer too: no copy.
             i, host, address = self.readback.claim(logits.shape[0])
             sampled = SamplerOutput(token_ids=argmax_rows(logits, self.argmax_workspace, host, address))

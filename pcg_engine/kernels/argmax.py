@@ -138,21 +138,17 @@ def argmax_rows(x: torch.Tensor, workspace: ArgmaxWorkspace | None = None, host_
 _PLANS = fast_launch.LaunchCache(256)
 
 
-def kernel_serves(logits: torch.Tensor) -> bool:
-    """Whether greedy_tokens takes this kernel for these logits (else torch.argmax)."""
-    return ENABLED and logits.is_cuda and logits.dim() == 2 and logits.dtype in _DTYPES
-
-
 def greedy_tokens(logits: torch.Tensor, workspace: ArgmaxWorkspace | None = None) -> torch.Tensor:
     """The engine's all-greedy sampling: this kernel for CUDA logits, torch.argmax elsewhere."""
-    if kernel_serves(logits):
+    if ENABLED and logits.is_cuda and logits.dim() == 2 and logits.dtype in _DTYPES:
         return argmax_rows(logits, workspace)
     return logits.argmax(dim=-1)
 
 
-def workspace_for(max_rows: int, width: int, device: torch.device) -> ArgmaxWorkspace | None:
-    """An engine's workspace for greedy_tokens: None where greedy_tokens takes torch.argmax."""
-    if ENABLED and torch.device(device).type == "cuda":
+def workspace_for(max_rows: int, width: int, device: torch.device, dtype: torch.dtype) -> ArgmaxWorkspace | None:
+    """An engine's workspace for its [R <= max_rows, width] logits of `dtype`: None where
+    greedy_tokens takes torch.argmax for them, so a workspace means this kernel serves them."""
+    if ENABLED and torch.device(device).type == "cuda" and dtype in _DTYPES:
         return ArgmaxWorkspace(max_rows, width, device)
     return None
 

@@ -16,9 +16,9 @@ metadata (positions, slot mapping, seq_lens, query_start_loc, block table), writ
 forward starts (the input copy and the block-table scatter, ahead of the graph's launch). The skinny
 GEMM loads its weight tile there, so a projection's weight stream overlaps the kernel before it.
 Decode attention loads its seq_len and block ids there, and asks L2 for its first K/V tiles
-(`prefetch_l2`; session 23 measured -1 us a layer): a prefetch keeps no value and no L1 line, and the KV slot that the RoPE + KV write
-before it stores lands in L2, the point of coherence, so a line fetched early is never stale. The
-other kernels wait first thing and gain only the launch. The wait is executed by every program
+(`prefetch_l2`; session 23 measured -1 us a layer): a prefetch keeps no value and no L1 line, and
+the KV slot that the RoPE + KV write before it stores lands in L2, the point of coherence, so a
+line fetched early is never stale. The other kernels wait first thing and gain only the launch. The wait is executed by every program
 before any early exit, so a kernel never completes before its predecessor has, and the ordering is
 transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
 

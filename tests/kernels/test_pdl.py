@@ -100,12 +100,12 @@ def test_gpu_pdl_graph_replays_equal_plain_launches(monkeypatch):
 def test_gpu_pdl_attention_reads_the_kv_slot_written_just_before(monkeypatch, splits):
     """Decode attention with PDL reads its metadata and prefetches K/V before gdc_wait: each replay
     writes a new token's K/V (RoPE + KV write) that attention must see, at a growing seq_len."""
-    from pcg_engine.attention import launch_config
+    from pcg_engine.attention import triton_attention
     from pcg_engine.attention.rope_kv import rope_and_write_kv
     from pcg_engine.attention.torch_backend import paged_attention_reference
     from pcg_engine.attention.triton_attention import unified_attention
     dev, bf = torch.device("cuda"), torch.bfloat16
-    monkeypatch.setattr(launch_config, "PDL_PREFETCH_TILES", 2)
+    monkeypatch.setattr(triton_attention, "PDL_PREFETCH_TILES", 2)   # the name _launch reads
     g = torch.Generator(device=dev).manual_seed(1)
     R, Hq, Hk, D, BS, width = 2, 16, 8, 128, 16, 40
     cache0 = torch.randn(2, 1 + R * width, BS, Hk, D, device=dev, generator=g).to(bf)
