@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pcg_engine.engine import driver_copy
+
 ALIGN_WORDS = 32                 # 256 bytes
 COPY_WASTE_WORDS = 8192          # 64 KiB of unused words that one copy may carry along
 _MAX_CACHED_VIEWS = 256
@@ -51,6 +53,8 @@ class StepViews:
     block_table: torch.Tensor
     copies: list            # [(device words, (staging words of set 0, of set 1))], block table not included
     copies_table: list      # the same with the block table's first Rp rows
+    spans: tuple            # per staging set, copies as (device address, host address, bytes): driver_copy.py
+    spans_table: tuple      # the same for copies_table
     cache: dict             # per-size host values a caller may keep here (e.g. the decode query starts)
 
 
@@ -94,6 +98,7 @@ class StepBuffers:
         pin = device.type == "cuda"
         self.non_blocking = pin
         self.staging = [Staging(layout, sizes, offset, pin, R, B) for _ in range(2)]
+        self.driver = driver_copy.for_device(device) if pin else None   # None: copy_ (CPU, or switched off)
         self._flip = 0
         self._views: dict = {}
 
@@ -129,12 +134,21 @@ class StepBuffers:
 
         def pairs(spans):
             return [(self.words[a:b], tuple(s.words[a:b] for s in self.staging)) for a, b in spans if b > a]
+
+        def addresses(copies):
+            return tuple(tuple((dst.data_ptr(), srcs[i].data_ptr(), 8 * dst.numel()) for dst, srcs in copies)
+                         for i in range(len(self.staging)))
+        copies, copies_table = pairs(ranges), pairs(with_table)
         return StepViews(self.input_ids[:Tp], self.positions[:Tp], self.slot_mapping[:Tp], self.logits_indices[:S],
                          self.query_start_loc[:Rp + 1], self.seq_lens[:Rp], self.block_table[:Rp],
-                         pairs(ranges), pairs(with_table), {})
+                         copies, copies_table, addresses(copies), addresses(copies_table), {})
 
     def upload(self, views: StepViews, staging_index: int, table: bool) -> None:
-        """The step's one host-to-device copy (a few when the token budget is large)."""
+        """The step's one host-to-device copy (a few when the token budget is large): by the
+        driver where it serves (driver_copy.py), else by copy_."""
+        driver = self.driver
+        if driver is not None and driver.host_to_device((views.spans_table if table else views.spans)[staging_index]):
+            return
         nb = self.non_blocking
         for dst, src in (views.copies_table if table else views.copies):
             dst.copy_(src[staging_index], non_blocking=nb)

@@ -6,6 +6,7 @@ and without padding, and with async placeholders whose value comes from the prev
 tokens on the device (resolved on the host one step later through set_token).
 """
 
+import ctypes
 import random
 from types import SimpleNamespace
 
@@ -84,14 +85,44 @@ def check_step(batch, scheduled, tables, prev_sample_pos, previous_tokens, pad_t
     return got
 
 
-class Workload:
-    """Engine-like driver of one InputBatch with random decisions."""
+class MemmoveCopies:
+    """engine/driver_copy.DriverCopy's interface over CPU memory: the addresses and byte counts the
+    batch hands to the driver on CUDA, copied by memmove, so that CPU runs check them. refuse: every
+    call returns False, as the driver's errors do: the batch must copy by torch instead."""
 
-    def __init__(self, seed, async_mode, device="cpu"):
+    index = -1                     # a CPU tensor's get_device()
+
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.calls = refuse, 0
+
+    def host_to_device(self, spans) -> bool:
+        self.calls += 1
+        if not self.refuse:
+            for dst, src, n in spans:
+                ctypes.memmove(dst, src, n)
+        return not self.refuse
+
+    def device_to_device(self, dst: int, src: int, nbytes: int) -> bool:
+        self.calls += 1
+        if not self.refuse:
+            ctypes.memmove(dst, src, nbytes)
+        return not self.refuse
+
+
+COPIERS = {"torch": lambda: None, "driver": MemmoveCopies, "refused": lambda: MemmoveCopies(refuse=True)}
+
+
+class Workload:
+    """Engine-like driver of one InputBatch with random decisions. copier: how the batch's copies
+    go (COPIERS; None keeps the device's own)."""
+
+    def __init__(self, seed, async_mode, device="cpu", copier=None):
         self.rng = random.Random(seed)
         self.async_mode = async_mode
         self.device = torch.device(device)
         self.batch = InputBatch(MAX_SEQS, MAX_LEN, BS, MAX_TOKENS, self.device)
+        if copier is not None:
+            self.batch.buffers.driver = COPIERS[copier]()
         self.free_blocks = list(range(1, NUM_BLOCKS))
         self.rng.shuffle(self.free_blocks)
         self.active: list[Request] = []
@@ -187,11 +218,12 @@ class Workload:
         return True
 
 
+@pytest.mark.parametrize("copier", ["torch", "driver"])
 @pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("seed", range(4))
-def test_prepare_matches_rebuild_on_random_workloads(seed, pad, async_mode):
-    w = Workload(seed, async_mode)
+def test_prepare_matches_rebuild_on_random_workloads(seed, pad, async_mode, copier):
+    w = Workload(seed, async_mode, copier=copier)
     addresses = [t.data_ptr() for t in (w.batch.input_ids, w.batch.positions, w.batch.slot_mapping,
                                         w.batch.query_start_loc, w.batch.seq_lens, w.batch.step_block_table)]
     steps = placeholders = 0
@@ -298,8 +330,8 @@ class DecodeWorkload(Workload):
     prepare keeps the device block table by appending; now and then an arrival, a finish, a
     preemption or a row whose blocks are replaced (same count, other ids) breaks the pattern."""
 
-    def __init__(self, seed, async_mode, device="cpu"):
-        super().__init__(seed, async_mode, device)
+    def __init__(self, seed, async_mode, device="cpu", copier=None):
+        super().__init__(seed, async_mode, device, copier)
         self.rows = None          # the last decode step's rows array, reused while unchanged
         self.decode_steps = self.appends = 0
 
@@ -368,13 +400,16 @@ class DecodeWorkload(Workload):
         return True
 
 
+@pytest.mark.parametrize("copier", list(COPIERS))
 @pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("seed", range(4))
-def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode, device="cpu"):
+def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode, copier, device="cpu"):
     """The all-decode path (device block table kept by appending, constant parts kept in the
-    staging, in-order placeholders by one device copy) gives the same flat batch as the rebuild."""
-    w = DecodeWorkload(seed, async_mode, device)
+    staging, in-order placeholders by one device copy) gives the same flat batch as the rebuild,
+    its copies made by torch, by the driver's interface (memmove on the CPU) or by torch after the
+    driver refused them."""
+    w = DecodeWorkload(seed, async_mode, device, copier)
     for _ in range(4):
         w.new_request()
     appended = 0
@@ -384,6 +419,8 @@ def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode, de
         appended += before is not None and w.batch.device_table.rows is before
     assert w.decode_steps > 80 and w.appends > 20
     assert appended > 40, "most decode steps should keep the device block table"
+    if copier in ("driver", "refused"):
+        assert w.batch.buffers.driver.calls >= w.decode_steps     # every step's upload asked it
 
 
 @pytest.mark.gpu
@@ -393,7 +430,7 @@ def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode, de
 def test_gpu_decode_steps_append_to_the_device_block_table(seed, async_mode):
     """The same on CUDA, where the appends are written by kernels/scatter.py's kernel (recorded
     launches, k changing from step to step) instead of index_copy_."""
-    test_decode_steps_append_to_the_device_block_table(seed, True, async_mode, "cuda")
+    test_decode_steps_append_to_the_device_block_table(seed, True, async_mode, None, "cuda")
 
 
 def test_invalidate_sends_everything_again():
