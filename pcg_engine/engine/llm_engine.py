@@ -433,7 +433,8 @@ class LLMEngine:
         elif self._zero_copy:
             # kernels/argmax.py writes the tokens into the read-back's pinned buffer too: no copy.
             i, host, address = self.readback.claim(logits.shape[0])
-            sampled = SamplerOutput(token_ids=argmax_rows(logits, self.argmax_workspace, host, address))
+            # kept_out: the workspace's two output buffers in turn (the next step reads these tokens).
+            sampled = SamplerOutput(token_ids=argmax_rows(logits, self.argmax_workspace, host, address, kept_out=True))
             pending = self.readback.written(i, host)
         else:
             sampled = SamplerOutput(token_ids=greedy_tokens(logits, self.argmax_workspace))   # kernels/argmax.py

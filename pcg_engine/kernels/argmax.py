@@ -69,8 +69,13 @@ class ArgmaxWorkspace:
     """What the kernel keeps between its programs, for up to max_rows rows of up to `width`
     logits: each chunk's maximum and its index, and one arrival counter a row, zero between
     launches (the row's last program resets it). An engine keeps one, so that a step allocates
-    only its output: its launches are ordered on one stream, and two launches sharing the counters
-    at once (two engines, two streams) would break them, so the workspace is not shared."""
+    nothing: its launches are ordered on one stream, and two launches sharing the counters at once
+    (two engines, two streams) would break them, so the workspace is not shared.
+
+    It also keeps two output buffers, taken in turn by calls with kept_out (the engine's steps):
+    a result then stays valid until the second call after it. An engine step's tokens are read by
+    the next step's inputs, on the device, enqueued before that step samples, so two suffice; a
+    fresh torch.empty a step was ~3-5 µs of the GPU host's step (session 25)."""
 
     def __init__(self, max_rows: int, width: int, device):
         self.max_rows, self.width = max_rows, width
@@ -78,17 +83,33 @@ class ArgmaxWorkspace:
         self.vals = torch.empty(chunks, dtype=torch.float32, device=device)
         self.idx = torch.empty(chunks, dtype=torch.int32, device=device)
         self.counts = torch.zeros(max(max_rows, 1), dtype=torch.int32, device=device)
+        # Two allocations, not one [2, max_rows] tensor: each starts aligned, as the recorded launch wants.
+        self._outs = [torch.empty(max(max_rows, 1), dtype=torch.int64, device=device) for _ in range(2)]
+        self._out_views: list[dict] = [{}, {}]
+        self._flip = 0
+
+    def next_out(self, rows: int) -> torch.Tensor:
+        """The next of the two output buffers, its first `rows` entries (views kept per size)."""
+        i = self._flip
+        self._flip ^= 1
+        view = self._out_views[i].get(rows)
+        if view is None:
+            with torch.inference_mode(False):    # usable in and out of inference mode
+                view = self._out_views[i][rows] = self._outs[i][:rows]
+        return view
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.max_rows and x.shape[1] <= self.width and x.device == self.counts.device
 
 
 def argmax_rows(x: torch.Tensor, workspace: ArgmaxWorkspace | None = None, host_out: torch.Tensor | None = None,
-                host_address: int | None = None) -> torch.Tensor:
+                host_address: int | None = None, kept_out: bool = False) -> torch.Tensor:
     """x [R, V] (last dim contiguous) -> int64 [R]: the index of each row's first maximum.
 
     A row of only -inf gives 0, as torch.argmax does. workspace: the caller's (see
     ArgmaxWorkspace); without one, or one too small, a fresh one is made for the call.
+    kept_out: the result is written into the workspace's output buffers (valid until the second
+    call after this one; see ArgmaxWorkspace) rather than a fresh tensor, where the workspace fits.
     host_out: pinned host memory (int64, >= R entries, CUDA x only) that the kernel writes the
     result into as well, at host_address, the address a kernel reaches it by (engine/readback.py
     finds it); the caller waits for the kernel (an event) before reading it."""
@@ -101,11 +122,13 @@ def argmax_rows(x: torch.Tensor, workspace: ArgmaxWorkspace | None = None, host_
     if x.stride(1) != 1:
         x = x.contiguous()
     R, V = x.shape
-    out = torch.empty(R, dtype=torch.int64, device=x.device)
     if R == 0:
-        return out
-    if workspace is None or not workspace.fits(x):
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    if workspace is not None and workspace.fits(x):
+        out = workspace.next_out(R) if kept_out else torch.empty(R, dtype=torch.int64, device=x.device)
+    else:
         workspace = ArgmaxWorkspace(R, V, x.device)
+        out = torch.empty(R, dtype=torch.int64, device=x.device)
     host = host_out is not None
     if host and (host_out.dtype != torch.int64 or len(host_out) < R or host_address is None):
         raise ValueError(f"argmax_rows: host_out must be int64 with >= {R} entries, with its kernel address")

@@ -69,6 +69,26 @@ def test_a_kept_workspace_serves_call_after_call():
         assert int(ws.counts.abs().sum()) == 0, (rows, vocab)
 
 
+def test_kept_outputs_alternate_between_two_buffers():
+    """kept_out (the engine's steps): results land in the workspace's two buffers in turn, so a
+    result stays intact through the next call and is overwritten by the one after; a workspace
+    that does not fit the call gives a fresh tensor."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = ArgmaxWorkspace(4, 2 * CHUNK, DEVICE)
+    xs = [torch.randn(rows, CHUNK + 5, generator=gen).to(DEVICE) for rows in (4, 3, 4, 2)]
+    outs = [argmax_rows(x, ws, kept_out=True) for x in xs[:2]]
+    assert outs[0].data_ptr() != outs[1].data_ptr()
+    assert torch.equal(outs[0], xs[0].argmax(dim=-1)) and torch.equal(outs[1], xs[1].argmax(dim=-1))
+    third = argmax_rows(xs[2], ws, kept_out=True)
+    assert third.data_ptr() == outs[0].data_ptr() and torch.equal(third, xs[2].argmax(dim=-1))
+    assert torch.equal(outs[1], xs[1].argmax(dim=-1))          # the previous result is untouched
+    assert argmax_rows(xs[3], ws, kept_out=True).data_ptr() == outs[1].data_ptr()
+    wide = torch.randn(2, 2 * CHUNK + 1, generator=gen).to(DEVICE)
+    fresh = argmax_rows(wide, ws, kept_out=True)
+    assert fresh.data_ptr() not in (outs[0].data_ptr(), outs[1].data_ptr())
+    assert torch.equal(fresh, wide.argmax(dim=-1))
+
+
 def test_a_workspace_too_small_or_elsewhere_is_not_used():
     ws = ArgmaxWorkspace(2, CHUNK, DEVICE)
     for x in (torch.randn(3, CHUNK, device=DEVICE), torch.randn(2, CHUNK + 1, device=DEVICE)):
