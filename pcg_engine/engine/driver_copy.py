@@ -1,13 +1,13 @@
-"""A step's copies to the device issued to the CUDA driver directly, without `Tensor.copy_`.
+"""A step's staged inputs sent to the device by the CUDA driver directly, without `Tensor.copy_`.
 
-A decode step of the persistent batch makes two copies on its host path: its staged words from
-pinned host memory to the device buffer (step_buffers.py) and, with async scheduling, the previous
-step's sampled tokens into its input ids, device to device (input_batch.py). Through
-`Tensor.copy_` each costs ATen's dispatch, its TensorIterator set-up and, from pinned memory, the
-pinned allocator's event record: ~10-20 µs of host time on the H200's host (session 24's P4
-parts: prepare 71 µs of a 354 µs step), where the driver's own `cuMemcpyHtoDAsync` /
-`cuMemcpyDtoDAsync` take a few. Here the engine calls those through ctypes, with addresses it
-computed once (the buffers never move).
+Every step sends its staged words from pinned host memory to the device buffer (step_buffers.py).
+Through `Tensor.copy_` that costs ATen's dispatch, its TensorIterator set-up and the pinned
+allocator's event record besides the driver's own `cuMemcpyHtoDAsync`; here the engine calls that
+through ctypes, with addresses computed once per view size (the buffers never move). Measured on
+the H200's host (scripts/bench_host_calls.py, docs/PERF.md session 25): 3.9-4.0 µs a call by
+copy_ against 2.6-4.3 by the driver at the host's normal speed, 8.5-17.9 against 4.9-14.7 when the
+host runs slow: a few µs of a ~240 µs P4 step, most where the host is slow. (Device-to-device
+copies gained nothing this way, ~0.5 µs, the driver running a copy kernel there: they stay copy_.)
 
 What copy_ gave and this keeps: the copy is ordered on the current stream of the buffers' device,
 and a copy from pinned memory is an asynchronous DMA. What it drops is the pinned allocator's
@@ -33,28 +33,24 @@ _get_device = getattr(torch._C, "_cuda_getDevice", None)
 _get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _driver_functions():
-    """cuMemcpyHtoDAsync_v2 and cuMemcpyDtoDAsync_v2 with their argument types, or None."""
+def _driver_function():
+    """cuMemcpyHtoDAsync_v2 with its argument types, or None."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        h2d, d2d = lib.cuMemcpyHtoDAsync_v2, lib.cuMemcpyDtoDAsync_v2
+        h2d = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
     except (OSError, AttributeError):
         return None
-    # (CUdeviceptr dst, const void* / CUdeviceptr src, size_t bytes, CUstream stream) -> CUresult
+    # (CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) -> CUresult
     h2d.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    d2d.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-    h2d.restype = d2d.restype = ctypes.c_int
-    return h2d, d2d
+    h2d.restype = ctypes.c_int
+    return h2d
 
 
 class DriverCopy:
-    """Copies on the current stream of one CUDA device, by the driver. Each method returns
-    whether it issued everything; False means the caller must copy by torch (what was issued,
-    if anything, is repeated by that copy, so nothing is lost)."""
+    """Host-to-device copies on the current stream of one CUDA device, by the driver."""
 
-    def __init__(self, index: int, functions):
+    def __init__(self, index: int, h2d):
         self.index = index
-        self._h2d, self._d2d = functions
+        self._h2d = h2d
 
     def _stream(self):
         """The current raw stream, or None where the thread's current device is another."""
@@ -63,7 +59,9 @@ class DriverCopy:
         return _get_stream(self.index)
 
     def host_to_device(self, spans) -> bool:
-        """spans: (device address, pinned host address, bytes) for each copy."""
+        """spans: (device address, pinned host address, bytes) for each copy. Returns whether it
+        issued every copy; False means the caller must copy by torch (what was issued, if
+        anything, is repeated by that copy, so nothing is lost)."""
         stream = self._stream()
         if stream is None:
             return False
@@ -73,10 +71,6 @@ class DriverCopy:
                 return False
         return True
 
-    def device_to_device(self, dst: int, src: int, nbytes: int) -> bool:
-        stream = self._stream()
-        return stream is not None and self._d2d(dst, src, nbytes, stream) == 0
-
 
 def for_device(device: torch.device) -> DriverCopy | None:
     """The device's driver copies, or None where copies go through torch (see the module text)."""
@@ -85,7 +79,7 @@ def for_device(device: torch.device) -> DriverCopy | None:
         return None
     if _get_device is None or _get_stream is None:
         return None
-    functions = _driver_functions()
-    if functions is None:
+    h2d = _driver_function()
+    if h2d is None:
         return None
-    return DriverCopy(device.index if device.index is not None else torch.cuda.current_device(), functions)
+    return DriverCopy(device.index if device.index is not None else torch.cuda.current_device(), h2d)

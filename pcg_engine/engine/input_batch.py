@@ -67,7 +67,6 @@ class InputBatch:
         self.input_ids, self.positions, self.slot_mapping = b.input_ids, b.positions, b.slot_mapping
         self.query_start_loc, self.seq_lens, self.logits_indices = b.query_start_loc, b.seq_lens, b.logits_indices
         self.step_block_table = b.block_table
-        self._ids_address = b.input_ids.data_ptr()
         self.device_table = DeviceBlockTable(b, self.block_table, self.num_blocks)
         pin = device.type == "cuda"
         self._non_blocking = pin
@@ -310,7 +309,7 @@ class InputBatch:
                 # whose order did not change): one device copy, no index upload.
                 if previous_tokens is None:
                     raise RuntimeError("a placeholder token is scheduled but no step is in flight")
-                self._copy_tokens(R, previous_tokens)
+                self.input_ids[:R].copy_(previous_tokens[:R], non_blocking=self._non_blocking)
             else:
                 self._fill_placeholders(np.flatnonzero(input_ids == PLACEHOLDER), rows, previous_tokens, i)
         if not same_order:
@@ -328,16 +327,6 @@ class InputBatch:
         if Tp > self.max_num_tokens or Rp > self.max_num_seqs:
             raise RuntimeError(f"step of {Tp} tokens / {Rp} requests exceeds the input batch")
 
-    def _copy_tokens(self, k: int, previous_tokens: torch.Tensor) -> None:
-        """input_ids[:k] = previous_tokens[:k] on the device: by the driver where it serves
-        (driver_copy.py: int64 tokens, contiguous, on this device), else by copy_."""
-        driver = self.buffers.driver
-        if (driver is not None and previous_tokens.dtype == torch.int64 and previous_tokens.is_contiguous()
-                and previous_tokens.get_device() == driver.index and len(previous_tokens) >= k
-                and driver.device_to_device(self._ids_address, previous_tokens.data_ptr(), 8 * k)):
-            return
-        self.input_ids[:k].copy_(previous_tokens[:k], non_blocking=self._non_blocking)
-
     def _fill_placeholders(self, ph: np.ndarray, tok_rows: np.ndarray, previous_tokens, i: int) -> None:
         """Async scheduling: a placeholder input (-1 in the row) takes its real value from the
         previous step's sampled tokens, on the device: nothing is read back to the host."""
@@ -348,7 +337,7 @@ class InputBatch:
         nb = self._non_blocking
         if ph[-1] == k - 1 and np.array_equal(src, self._arange[:k]):
             # The first k inputs take the previous step's first k tokens in order: one device copy.
-            self._copy_tokens(k, previous_tokens)
+            self.input_ids[:k].copy_(previous_tokens[:k], non_blocking=nb)
             return
         # Through pinned staging: a copy from pageable memory would wait for the GPU to drain,
         # which is exactly the overlap async scheduling exists for.

@@ -90,8 +90,6 @@ class MemmoveCopies:
     batch hands to the driver on CUDA, copied by memmove, so that CPU runs check them. refuse: every
     call returns False, as the driver's errors do: the batch must copy by torch instead."""
 
-    index = -1                     # a CPU tensor's get_device()
-
     def __init__(self, refuse: bool = False):
         self.refuse, self.calls = refuse, 0
 
@@ -100,12 +98,6 @@ class MemmoveCopies:
         if not self.refuse:
             for dst, src, n in spans:
                 ctypes.memmove(dst, src, n)
-        return not self.refuse
-
-    def device_to_device(self, dst: int, src: int, nbytes: int) -> bool:
-        self.calls += 1
-        if not self.refuse:
-            ctypes.memmove(dst, src, nbytes)
         return not self.refuse
 
 
@@ -407,7 +399,7 @@ class DecodeWorkload(Workload):
 def test_decode_steps_append_to_the_device_block_table(seed, pad, async_mode, copier, device="cpu"):
     """The all-decode path (device block table kept by appending, constant parts kept in the
     staging, in-order placeholders by one device copy) gives the same flat batch as the rebuild,
-    its copies made by torch, by the driver's interface (memmove on the CPU) or by torch after the
+    its uploads made by torch, by the driver's interface (memmove on the CPU) or by torch after the
     driver refused them."""
     w = DecodeWorkload(seed, async_mode, device, copier)
     for _ in range(4):
