@@ -75,7 +75,8 @@ class ArgmaxWorkspace:
     It also keeps two output buffers, taken in turn by calls with kept_out (the engine's steps):
     a result then stays valid until the second call after it. An engine step's tokens are read by
     the next step's inputs, on the device, enqueued before that step samples, so two suffice; a
-    fresh torch.empty a step was ~3-5 µs of the GPU host's step (session 25)."""
+    fresh torch.empty a step cost 2-4 µs of the H200 host's time at its normal speed, ~10 when
+    slow (scripts/bench_host_calls.py, docs/PERF.md session 25)."""
 
     def __init__(self, max_rows: int, width: int, device):
         self.max_rows, self.width = max_rows, width
