@@ -52,20 +52,13 @@ class DriverCopy:
         self.index = index
         self._h2d = h2d
 
-    def _stream(self):
-        """The current raw stream, or None where the thread's current device is another."""
-        if _get_device() != self.index:
-            return None
-        return _get_stream(self.index)
-
     def host_to_device(self, spans) -> bool:
         """spans: (device address, pinned host address, bytes) for each copy. Returns whether it
         issued every copy; False means the caller must copy by torch (what was issued, if
         anything, is repeated by that copy, so nothing is lost)."""
-        stream = self._stream()
-        if stream is None:
+        if _get_device() != self.index:        # the driver copies within the current context
             return False
-        h2d = self._h2d
+        stream, h2d = _get_stream(self.index), self._h2d
         for dst, src, n in spans:
             if h2d(dst, src, n, stream):
                 return False

@@ -84,8 +84,9 @@ class ArgmaxWorkspace:
         self.vals = torch.empty(chunks, dtype=torch.float32, device=device)
         self.idx = torch.empty(chunks, dtype=torch.int32, device=device)
         self.counts = torch.zeros(max(max_rows, 1), dtype=torch.int32, device=device)
-        # Two allocations, not one [2, max_rows] tensor: each starts aligned, as the recorded launch wants.
-        self._outs = [torch.empty(max(max_rows, 1), dtype=torch.int64, device=device) for _ in range(2)]
+        # Made on the first next_out: a workspace made for one call (argmax_rows without a fitting
+        # one) never takes them.
+        self._outs: list[torch.Tensor] | None = None
         self._out_views: list[dict] = [{}, {}]
         self._flip = 0
 
@@ -96,6 +97,11 @@ class ArgmaxWorkspace:
         view = self._out_views[i].get(rows)
         if view is None:
             with torch.inference_mode(False):    # usable in and out of inference mode
+                if self._outs is None:
+                    # Two allocations, not one [2, max_rows] tensor: each starts aligned, as the
+                    # recorded launch wants.
+                    self._outs = [torch.empty(max(self.max_rows, 1), dtype=torch.int64, device=self.counts.device)
+                                  for _ in range(2)]
                 view = self._out_views[i][rows] = self._outs[i][:rows]
         return view
 
