@@ -9,6 +9,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pcg_engine.errors import ConfigError
 
 # What kernels=True with fuse=False may be instead (EngineConfig and models/loader.load_model refuse
@@ -101,6 +103,16 @@ class EngineConfig:
     gc_freeze: bool = True               # freeze start-up's objects out of the GC's reach (engine/gc_freeze.py)
 
     def __post_init__(self):
+        # numpy's scalars (a size computed with numpy, a fraction read from an array) as the plain
+        # Python numbers they stand for: the checks below, and everything downstream, take those.
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, np.generic) and not isinstance(v, np.bool_):
+                if isinstance(v, np.integer):
+                    setattr(self, f.name, int(v))
+                elif isinstance(v, np.floating):
+                    setattr(self, f.name, float(v))
+
         def check(name, ok, allowed):
             if not ok:
                 raise ConfigError(name, f"got {getattr(self, name)!r}; allowed: {allowed}")

@@ -41,11 +41,24 @@ def _check_int(name: str, v: Any, lo: int | None, hi: int | None, rng: str) -> i
     return int(v)
 
 
+def finite_float(v: Any) -> float | None:
+    """v as a finite float, or None where it is not a real number (bool excluded) or not finite.
+    An int past float's range (10**400: Python's json keeps a request's integers exact) is not
+    finite here, where math.isfinite and float() raise OverflowError, which no caller expects."""
+    if not isinstance(v, numbers.Real) or isinstance(v, (bool, np.bool_)):
+        return None
+    try:
+        f = float(v)
+    except (OverflowError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _check_float(name: str, v: Any, ok, rng: str) -> float:
-    if (not isinstance(v, numbers.Real) or isinstance(v, (bool, np.bool_)) or not math.isfinite(v)
-            or not ok(v)):
+    f = finite_float(v)
+    if f is None or not ok(f):
         raise InvalidRequestError(name, f"must be a finite number {rng}, got {v!r}")
-    return float(v)
+    return f
 
 
 def _check_bool(name: str, v: Any) -> None:
@@ -136,6 +149,11 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "stop", f"must be a non-empty string or a list of non-empty strings, "
                     f"got item {s!r}")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:     # a lone surrogate: no decoded text can ever contain it
+                raise InvalidRequestError("stop", f"item {s!r} is not valid Unicode text: {e.reason} at "
+                                          f"character {e.start}") from None
         return list(items)
 
     @staticmethod

@@ -18,7 +18,6 @@ per-request path.
 import dataclasses
 import functools
 import itertools
-import math
 import numbers
 import threading
 import time
@@ -43,7 +42,7 @@ from pcg_engine.engine.tokenizer import LazyTokenizer, eos_token_ids
 from pcg_engine.errors import EngineClosedError, InvalidRequestError
 from pcg_engine.models.model_config import read_config
 from pcg_engine.outputs import RequestOutput
-from pcg_engine.sampling_params import SamplingParams
+from pcg_engine.sampling_params import SamplingParams, finite_float
 
 
 @dataclass
@@ -155,10 +154,13 @@ class LLMEngine:
             params = dataclasses.replace(params)
         else:
             raise InvalidRequestError("sampling_params", f"expected SamplingParams or dict, got {type(params).__name__}")
-        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)
-                                         or not math.isfinite(arrival_time)):
-            raise InvalidRequestError("arrival_time", f"must be a finite time.monotonic() value or None, "
-                                      f"got {arrival_time!r}")
+        if arrival_time is not None:
+            t = finite_float(arrival_time)
+            # Not in the future either: its metrics (TTFT, queue time) would come out negative.
+            if t is None or t > time.monotonic():
+                raise InvalidRequestError("arrival_time", f"must be a finite time.monotonic() value, not in the "
+                                          f"future, or None; got {arrival_time!r}")
+            arrival_time = t
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             # A caller's own id took it, or took it and finished with its final output still

@@ -5,6 +5,7 @@ import argparse
 import json
 import re
 
+import numpy as np
 import pytest
 
 from pcg_engine.cli import _read_prompts
@@ -40,6 +41,21 @@ def test_field_of_the_wrong_type_is_named(field, value, allowed):
     with pytest.raises(ConfigError, match=f"{field}: got ") as e:
         EngineConfig(**{field: value})
     assert e.value.field == field and allowed in str(e.value)
+
+
+def test_numpy_numbers_are_taken_as_the_plain_ones_they_stand_for():
+    """Found by probing (session 26): max_num_seqs=np.int64(4) was refused as "got np.int64(4);
+    allowed: 1..4096", a value inside the range it named. numpy's bools stay refused (a flag is
+    True or False, as a Python bool)."""
+    cfg = EngineConfig(max_num_seqs=np.int64(4), block_size=np.int32(32), seed=np.uint8(7),
+                       gpu_memory_utilization=np.float32(0.5))
+    assert (cfg.max_num_seqs, cfg.block_size, cfg.seed) == (4, 32, 7)
+    assert [type(v) for v in (cfg.max_num_seqs, cfg.block_size, cfg.seed)] == [int, int, int]
+    assert type(cfg.gpu_memory_utilization) is float and cfg.gpu_memory_utilization == 0.5
+    with pytest.raises(ConfigError, match="max_num_seqs: got 0; allowed: 1..4096"):
+        EngineConfig(max_num_seqs=np.int64(0))
+    with pytest.raises(ConfigError, match="enable_prefix_caching: got "):
+        EngineConfig(enable_prefix_caching=np.bool_(True))
 
 
 @pytest.mark.parametrize("value", ["", "  "])

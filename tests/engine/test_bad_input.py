@@ -3,6 +3,7 @@ its allowed range, the requests already in flight finish exactly as they would h
 no KV block, batch row or sampling row leaks."""
 
 import math
+import time
 
 import pytest
 
@@ -121,6 +122,20 @@ CASES = [
     ("arrival-time-nan", lambda e: e.add_request(_prompt(), None, arrival_time=math.nan), "arrival_time",
      r"finite"),
     ("prompt-lone-surrogate", lambda e: e.add_request("ok \ud800", None), "prompt", r"not valid Unicode"),
+    # Found by probing (session 26): ints past float's range (a JSON body keeps them exact) raised
+    # a bare OverflowError from math.isfinite; a future arrival time gave a negative TTFT; a stop
+    # string with a lone surrogate was taken and could never match.
+    ("temperature-int-past-float", lambda e: e.add_request(_prompt(), {"temperature": 10**400}), "temperature",
+     r"finite number in \[0, 1e6\]"),
+    ("top-p-int-past-float", lambda e: e.add_request(_prompt(), {"top_p": 10**400}), "top_p", r"finite number"),
+    ("presence-penalty-int-past-float", lambda e: e.add_request(_prompt(), {"presence_penalty": -10**400}),
+     "presence_penalty", r"finite number"),
+    ("arrival-time-int-past-float", lambda e: e.add_request(_prompt(), None, arrival_time=10**400), "arrival_time",
+     r"finite time.monotonic\(\) value"),
+    ("arrival-time-future", lambda e: e.add_request(_prompt(), None, arrival_time=time.monotonic() + 3600),
+     "arrival_time", r"not in the future"),
+    ("stop-lone-surrogate", lambda e: e.add_request(_prompt(), {"stop": ["ok", "\ud800"]}), "stop",
+     r"item '\\ud800' is not valid Unicode"),
     ("repetition-penalty-underflows", lambda e: e.add_request(_prompt(), {"repetition_penalty": 1e-38}),
      "repetition_penalty", r"\[0.01, 100\]"),
     # SamplingParams is a mutable dataclass: a field changed after it was made is checked again.
