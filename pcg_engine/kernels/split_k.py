@@ -35,12 +35,12 @@ import torch
 SPLIT_K: dict[tuple[int, int], int] = {(4096, 4096): 4, (4096, 12288): 4}
 MAX_ROWS = 4
 SPLIT_K_PROJECTIONS = ("o_proj", "down_proj")
-ENABLED = os.environ.get("PCG_SPLIT_K", "1") != "0"
 
 
 def splits_for(n: int, k: int) -> int:
     """S for a weight of shape [n, k], or 0: no split measured to win."""
-    return SPLIT_K.get((n, k), 0) if ENABLED else 0
+    # PCG_SPLIT_K read here, at fuse time (as the compile cache key reads it), not at import.
+    return SPLIT_K.get((n, k), 0) if os.environ.get("PCG_SPLIT_K", "1") != "0" else 0
 
 
 def partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:

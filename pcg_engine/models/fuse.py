@@ -19,8 +19,10 @@ from pcg_engine.kernels import split_k
 from pcg_engine.models.layers import Linear, RMSNorm, concat_linear
 
 # PCG_WEIGHT_NN=0 keeps every projection's weight [N, K] contiguous as the checkpoint stores it (an
-# A/B switch for benchmarks, read at fuse time; part of the compile cache key like every PCG_* switch).
-_WEIGHT_NN = os.environ.get("PCG_WEIGHT_NN", "1") != "0"
+# A/B switch for benchmarks; part of the compile cache key like every PCG_* switch). Read at fuse time,
+# as the cache key reads it at set-up: a value set after import must be the one both see.
+def _weight_nn() -> bool:
+    return os.environ.get("PCG_WEIGHT_NN", "1") != "0"
 
 
 @torch.no_grad()
@@ -34,7 +36,7 @@ def fuse(model, kernels: bool = False):
         if hasattr(mlp, "gate_proj"):
             mlp.gate_up_proj = concat_linear([mlp.gate_proj, mlp.up_proj])
             del mlp.gate_proj, mlp.up_proj
-    if _WEIGHT_NN and next(model.parameters()).device.type == "cuda":
+    if _weight_nn() and next(model.parameters()).device.type == "cuda":
         store_transposed(model)
     set_kernels(model, kernels)
     model.fused = True

@@ -76,10 +76,14 @@ def test_partials_of_the_wrong_shape_or_dtype_are_refused(device):
 
 
 def test_only_measured_shapes_split_and_the_switch_turns_it_off(monkeypatch):
+    """PCG_SPLIT_K is read when a model is fused (splits_for), not at import: a value set after the
+    engine was imported (the compile cache key reads it at set-up) reaches the model too."""
     assert split_k.splits_for(4096, 4096) == 4 and split_k.splits_for(4096, 12288) == 4
     assert split_k.splits_for(1024, 2048) == 0
-    monkeypatch.setattr(split_k, "ENABLED", False)
+    monkeypatch.setenv("PCG_SPLIT_K", "0")
     assert split_k.splits_for(4096, 4096) == 0
+    monkeypatch.setenv("PCG_SPLIT_K", "1")
+    assert split_k.splits_for(4096, 4096) == 4
 
 
 @pytest.mark.gpu
@@ -121,3 +125,4 @@ def test_gpu_cuda_graph_replay_with_new_inputs(rel_err):
         ref_out, ref_res = add_rms_norm_partials_ref(split_k.partials(x, w, 4), residual, nw, 1e-6)
         assert rel_err(new_res, ref_res) <= 1e-2
         assert rel_err(out, ref_out) <= 1e-2
+

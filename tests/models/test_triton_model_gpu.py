@@ -77,7 +77,7 @@ def test_cuda_projections_stored_transposed_give_the_same_logits(tmp_path_factor
     """fuse on CUDA stores o_proj and down_proj as [N, K] views of [K, N] tensors (models/fuse.py,
     for cuBLAS's NN kernels); the prefill logits equal those of the checkpoint's layout in fp32."""
     from pcg_engine.models import fuse as fuse_module
-    if not fuse_module._WEIGHT_NN:
+    if not fuse_module._weight_nn():
         pytest.skip("PCG_WEIGHT_NN=0 keeps the checkpoint's layout")
     path = build_tiny(tmp_path_factory.getbasetemp(), "tiny-qwen3")
     g = torch.Generator().manual_seed(3)
@@ -89,7 +89,7 @@ def test_cuda_projections_stored_transposed_give_the_same_logits(tmp_path_factor
     assert moved and all(w.stride() == (1, w.shape[0]) for _, w in moved), [(n, w.stride()) for n, w in moved]
     del model
     transposed = prefill_logits(path, "triton", True, "float32", prompts)
-    monkeypatch.setattr(fuse_module, "_WEIGHT_NN", False)
+    monkeypatch.setenv("PCG_WEIGHT_NN", "0")
     stored = prefill_logits(path, "triton", True, "float32", prompts)
     torch.testing.assert_close(transposed, stored, rtol=1e-4, atol=1e-4)
 
