@@ -85,7 +85,8 @@ def _add_generate(sub):
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="compiled modes: compile afresh, save nothing")
     p.add_argument("--compile-cache-dir", default=None, metavar="DIR",
-                   help="where compiled modes keep their compiled code (default ~/.cache/pcg_engine/compile)")
+                   help="where compiled modes keep their compiled code (default ~/.cache/pcg_engine/compile, "
+                        "or $XDG_CACHE_HOME/pcg_engine/compile)")
     p.add_argument("--dump-graph", default=None, metavar="DIR",
                    help="compiled modes: write the traced graph, the split graph and each piece's code to DIR "
                         "(this start traces afresh, under its own compile-cache entry: the first such start compiles)")

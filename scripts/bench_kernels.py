@@ -402,10 +402,17 @@ def main(argv=None, prog=None):
     for name in args.only.split(","):
         if name.strip() not in SECTIONS:
             parser.error(f"--only: {name.strip()!r} is not a section; allowed: {', '.join(SECTIONS)}")
-    if not torch.cuda.is_available():
-        print("bench_kernels: no CUDA device here; these kernels are benchmarked on a GPU. Nothing measured.")
-        return 0
     import triton
+    if not torch.cuda.is_available():
+        reason = "no CUDA device here; these kernels are benchmarked on a GPU. Nothing measured."
+        print(f"bench_kernels: {reason}")
+        if args.json:
+            # A file that says so, rather than none: a script that reads it next finds no rows and
+            # the reason, not a missing file (it wrote nothing before).
+            with open(args.json, "w") as f:
+                json.dump(dict(gpu=None, torch=torch.__version__, triton=triton.__version__, rows=[],
+                               skipped=reason), f, indent=1)
+        return 0
     gpu = torch.cuda.get_device_name()
     sections = dict(norm=norm_rows, activation=activation_rows, moe=moe_rows,
                     attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows,

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pcg_engine import _sources
+from pcg_engine.cache_home import cache_home
 from pcg_engine.compile import saved_trace
 from pcg_engine.errors import PcgError
 
@@ -56,7 +57,7 @@ _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def default_cache_root() -> Path:
-    return Path(os.path.expanduser("~")) / ".cache" / "pcg_engine" / "compile"
+    return cache_home() / "compile"
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pcg_engine.cache_home import cache_home
 from pcg_engine.errors import ConfigError
 from pcg_engine.models import presets, tokenizer_maker
 
@@ -249,8 +250,7 @@ def default_model_dir() -> Path:
         key.update(Path(module.__file__).read_bytes())
     # The tokenizer corpus is this Python's stdlib source; config.json is transformers' output.
     key.update(f"{sys.version_info[:2]}|{tokenizers.__version__}|{transformers.__version__}".encode())
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "pcg_engine" / "models" / f"{DEFAULT_PRESET}-{key.hexdigest()[:12]}"
+    return cache_home() / "models" / f"{DEFAULT_PRESET}-{key.hexdigest()[:12]}"
 
 
 def ensure_checkpoint(preset: str, final: Path, seed: int = 0, device: str = "cpu") -> Path:

@@ -233,8 +233,20 @@ def test_sources_edited_after_import_are_not_keyed_as_the_edit(tmp_path):
     assert run(key) == fresh               # and processes of one tree still share entries
 
 
-def test_default_root():
-    assert str(default_cache_root()).endswith(os.path.join(".cache", "pcg_engine", "compile"))
+def test_default_root_follows_xdg_cache_home(monkeypatch, tmp_path):
+    """~/.cache/pcg_engine/compile, or under $XDG_CACHE_HOME when that is an absolute path (the
+    XDG rule: a relative one is ignored), beside the default tiny model."""
+    from pcg_engine.models.checkpoint_maker import default_model_dir
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_root() == tmp_path / "home" / ".cache" / "pcg_engine" / "compile"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_root() == tmp_path / "xdg" / "pcg_engine" / "compile"
+    assert default_model_dir().parent == tmp_path / "xdg" / "pcg_engine" / "models"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert default_cache_root() == tmp_path / "home" / ".cache" / "pcg_engine" / "compile"
+    assert default_model_dir().parent == tmp_path / "home" / ".cache" / "pcg_engine" / "models"
 
 
 # ---- with the compiler ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pcg_engine.bench import common, kernels, load_test, overhead, profile, latency, throughput
 from pcg_engine.bench.engine_thread import RequestRecord
@@ -514,6 +515,18 @@ def test_kernels_help_names_the_command_and_a_bad_section_is_refused(capsys):
     assert exit_info.value.code == 2
     assert "--only: 'attn' is not a section; allowed: norm, activation, moe, attention, graph_split, argmax, " \
            "rope_attention" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer: no kernels measured")
+def test_kernels_json_on_a_cpu_says_why_it_holds_no_rows(tmp_path, capsys):
+    """Found by following the README: `pcg bench kernels --json F` on a CPU printed "Nothing
+    measured" and wrote no F, so the next step of a script failed on a missing file."""
+    out = tmp_path / "kernels.json"
+    assert kernels.main(["--json", str(out), "--only", "norm"]) == 0
+    data = json.loads(out.read_text())
+    assert data["rows"] == [] and data["gpu"] is None and "no CUDA device" in data["skipped"]
+    assert data["torch"] == torch.__version__
+    assert "Nothing measured" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["load_test", "bench_throughput", "bench_latency", "bench_overhead",
