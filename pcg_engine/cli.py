@@ -394,17 +394,25 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="pcg", description="pcg-engine: fast LLM inference on one GPU")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    _add_make_model(sub)
-    _add_bench(sub)
-    args = parser.parse_args(argv)
     try:
+        # Inside the try: building the sub-commands imports torch (a second or more), and a
+        # Ctrl-C then gave a traceback.
+        parser = argparse.ArgumentParser(prog="pcg", description="pcg-engine: fast LLM inference on one GPU")
+        sub = parser.add_subparsers(dest="command", required=True)
+        _add_generate(sub)
+        _add_make_model(sub)
+        _add_bench(sub)
+        args = parser.parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:   # Ctrl-C: the shell's convention (128 + SIGINT), not a traceback
         print("pcg: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`pcg generate --json | head -1`): nothing is left to say to it. Quiet,
+        # as other Unix tools are, with the shell's code for SIGPIPE (128 + 13); stdout goes to
+        # /dev/null so the interpreter's last flush at exit does not raise it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except SystemExit as e:
         if not isinstance(e.code, str):
             raise               # argparse's own exits (--help, a bad flag) keep their codes

@@ -14,7 +14,6 @@ decode attention against the two launches (pcg_engine/bench/rope_attention.py).
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 # Runs from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pcg_engine.bench.common import graph_of_calls  # noqa: E402
+from pcg_engine.bench.common import config_record, env_record, graph_of_calls, json_path, write_json  # noqa: E402
 
 COPY_GBPS = 4250.0      # H200 device-to-device copy, measured
 MATMUL_TFLOPS = 790.0   # dense bf16 matmul, measured
@@ -390,7 +389,8 @@ SECTIONS = DEFAULT_SECTIONS + ("argmax", "rope_attention")
 
 def main(argv=None, prog=None):
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="also write every row and the versions here")
+    parser.add_argument("--json", metavar="PATH", type=json_path,
+                        help="also write every row, the versions, commit, date and card here")
     parser.add_argument("--only", metavar="SECTIONS", default=",".join(DEFAULT_SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} "
                              f"(default: {','.join(DEFAULT_SECTIONS)})")
@@ -402,16 +402,15 @@ def main(argv=None, prog=None):
     for name in args.only.split(","):
         if name.strip() not in SECTIONS:
             parser.error(f"--only: {name.strip()!r} is not a section; allowed: {', '.join(SECTIONS)}")
-    import triton
+    # The record every benchmark's JSON carries (BENCHMARKS.md: command, commit, date, card); it
+    # held the versions alone. No model: these kernels run on random tensors.
+    record = {"benchmark": "kernels", **env_record(None), "config": config_record(args)}
     if not torch.cuda.is_available():
         reason = "no CUDA device here; these kernels are benchmarked on a GPU. Nothing measured."
         print(f"bench_kernels: {reason}")
-        if args.json:
-            # A file that says so, rather than none: a script that reads it next finds no rows and
-            # the reason, not a missing file (it wrote nothing before).
-            with open(args.json, "w") as f:
-                json.dump(dict(gpu=None, torch=torch.__version__, triton=triton.__version__, rows=[],
-                               skipped=reason), f, indent=1)
+        # A file that says so, rather than none: a script that reads it next finds no rows and
+        # the reason, not a missing file (it wrote nothing before).
+        write_json(args.json, dict(record, gpu=None, rows=[], skipped=reason))
         return 0
     gpu = torch.cuda.get_device_name()
     sections = dict(norm=norm_rows, activation=activation_rows, moe=moe_rows,
@@ -423,10 +422,7 @@ def main(argv=None, prog=None):
         torch.cuda.empty_cache()
     print_table(rows, f"pcg-engine kernels on {gpu} (ceilings: copy {COPY_GBPS / 1e3:.2f} TB/s, "
                       f"bf16 matmul {MATMUL_TFLOPS:.0f} TFLOP/s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                           copy_gbps=COPY_GBPS, matmul_tflops=MATMUL_TFLOPS, rows=rows), f, indent=1)
+    write_json(args.json, dict(record, gpu=gpu, copy_gbps=COPY_GBPS, matmul_tflops=MATMUL_TFLOPS, rows=rows))
     return 0
 
 

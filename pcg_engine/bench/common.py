@@ -22,7 +22,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # ---- model ---------------------------------------------------------------------------------------
 def resolve_model(model: str | None, seed: int = 0) -> str:
-    """A checkpoint directory, or a preset name built once into the user cache (random weights)."""
+    """A checkpoint directory, or a preset name built once into the user cache (random weights
+    drawn from `seed`, one checkpoint per seed)."""
+    from pcg_engine.cache_home import cache_home
     from pcg_engine.models import presets
     from pcg_engine.models.checkpoint_maker import DEFAULT_PRESET, ensure_checkpoint, ensure_default_model
 
@@ -34,7 +36,7 @@ def resolve_model(model: str | None, seed: int = 0) -> str:
         raise SystemExit(f"--model: {model!r} is neither a checkpoint directory nor a preset; "
                          f"presets: {', '.join(sorted(presets.PRESETS))}")
     import torch
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pcg_engine" / "models"
+    root = cache_home() / "models"      # (a relative XDG_CACHE_HOME was taken here, not elsewhere)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return str(ensure_checkpoint(model, root / f"{model}-seed{seed}", seed=seed, device=device))
 
@@ -88,7 +90,8 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--json", default=None, type=json_path, metavar="PATH", help="write the results as JSON here")
     # numpy's generator takes seeds >= 0: a negative one failed inside numpy after the engine was built
-    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random dataset")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random dataset, and of a preset model's random weights "
+                   "(a preset is built once per seed)")
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -315,7 +318,9 @@ def git_commit() -> str:
     return sha if out.returncode == 0 and len(sha) == 40 and all(c in "0123456789abcdef" for c in sha) else "unknown"
 
 
-def env_record(model: str, device: str = "auto") -> dict:
+def env_record(model: str | None, device: str = "auto") -> dict:
+    """Where a figure came from: model (None for benchmarks of random tensors), commit, versions,
+    card and date."""
     import torch
     commit = git_commit()
     try:
@@ -325,7 +330,7 @@ def env_record(model: str, device: str = "auto") -> dict:
         triton = None
     on_cuda = torch.cuda.is_available() and not str(device).startswith("cpu")
     name = torch.cuda.get_device_name() if on_cuda else f"CPU ({platform.processor() or platform.machine()})"
-    return {"model": str(model), "commit": commit, "torch": torch.__version__, "triton": triton,
+    return {"model": None if model is None else str(model), "commit": commit, "torch": torch.__version__, "triton": triton,
             "device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -422,6 +427,8 @@ def _refuse_a_file_on_the_way(value: str, paths) -> None:
 def json_path(value: str) -> str:
     """argparse type of --json: refused before the benchmark runs (not after minutes of it) when it
     names a directory or sits under a file."""
+    if not value:      # Path('') is '.', a directory: it said "'' is a directory"
+        raise argparse.ArgumentTypeError("an empty path; give a file path")
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file path")

@@ -20,6 +20,7 @@ import cProfile
 import io
 import pstats
 import time
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,13 @@ class FakeForward:
         return self.logits[:len(inputs.sample_rows)], inputs
 
 
+def output_tokens(n: int, prompt_len: int, max_num_batched_tokens: int, warm_steps: int, steps: int) -> int:
+    """Each request's max_tokens at n running: enough that nobody finishes while timed (prefill
+    chunks + warm-up + timed steps)."""
+    prefill_steps = -(-n * prompt_len // max_num_batched_tokens) + 2
+    return prefill_steps + warm_steps + steps + 4
+
+
 def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int, seed: int,
             fake_vocab: int | None = None, profile_path: str | None = None) -> dict:
     engine, runner = llm.engine, llm.engine.runner
@@ -53,9 +61,9 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
     runner.execute = fake
     common.reset_stats(llm)
     try:
-        # Enough tokens that nobody finishes while timed: prefill chunks + warm-up + timed steps.
-        prefill_steps = -(-n * prompt_len // engine.config.max_num_batched_tokens) + 2
-        ids, _, _ = common.add_random_requests(llm, n, prompt_len, prefill_steps + warm_steps + steps + 4, seed)
+        ids, _, _ = common.add_random_requests(
+            llm, n, prompt_len, output_tokens(n, prompt_len, engine.config.max_num_batched_tokens, warm_steps, steps),
+            seed)
         common.step_until_decoding(engine, ids)
         for _ in range(warm_steps):
             engine.step()
@@ -94,6 +102,7 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
 def _write_profile(profiler, path: str, title: str) -> None:
     """pstats file at path, the top 40 functions by own time at path.txt (read them on the machine
     that ran it: the profile is of that host)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     profiler.dump_stats(path)
     text = io.StringIO()
     text.write(f"=== cProfile: {title}\n")
@@ -112,6 +121,11 @@ def run_host_only(args, console) -> dict:
     if kw.get("device", "auto") == "cpu" or not torch.cuda.is_available():
         kw.setdefault("num_kv_blocks", biggest * per_request + 16)   # the CPU default (512) is too small
     model = common.resolve_model(args.model, args.seed)
+    # Before the engine: a request too long for it was refused under the engine's field names
+    # (prompt_token_ids, max_tokens), naming no flag.
+    common.refuse_too_long(args, model, args.prompt_len, max(
+        output_tokens(n, args.prompt_len, kw["max_num_batched_tokens"], args.warm_steps, args.host_steps)
+        for n in sizes), "--prompt-len / --host-steps / --warm-steps")
     llm = common.build_llm(model, **kw)
     rows = []
     for i, n in enumerate(sizes):

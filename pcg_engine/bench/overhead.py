@@ -56,7 +56,8 @@ def pick_configs(args, on_cuda: bool) -> tuple[list, list[str]]:
     wanted = None if args.configs is None else {c.strip() for c in args.configs.split(",")}
     known = {name for name, _ in CONFIGS}
     if wanted is not None and wanted - known:
-        raise SystemExit(f"--configs: unknown {sorted(wanted - known)}; known: {', '.join(known)}")
+        # (known in the table's order: a set's was a new order each run)
+        raise SystemExit(f"--configs: unknown {sorted(wanted - known)}; known: {', '.join(n for n, _ in CONFIGS)}")
     chosen, notes = [], []
     for name, kw in CONFIGS:
         if wanted is not None and name not in wanted and name != "eager":
@@ -93,6 +94,7 @@ def run_table(args, console) -> dict:
     on_cuda = torch.cuda.is_available() and not args.device.startswith("cpu")
     configs, notes = pick_configs(args, on_cuda)
     model = common.resolve_model(args.model, args.seed)
+    common.refuse_too_long(args, model, args.prompt_len, args.new_tokens, "--prompt-len / --new-tokens")
     base_kw = common.engine_kwargs(args)
     base_kw["max_num_seqs"] = args.slots
     results, reference, fused_reference = [], None, None
@@ -135,6 +137,11 @@ def run_table(args, console) -> dict:
             "configs": results, "skipped": notes}
 
 
+# The host-only group's flags and their defaults (None at parse time: given or not).
+HOST_ONLY_DEFAULTS = {"batch_sizes": [16, 64, 256], "host_steps": 50, "warm_steps": 5, "host_async": False,
+                      "host_profile": None, "fake_vocab": None}
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench overhead", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
@@ -144,14 +151,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=common.int_at_least(1), default=16)
     p.add_argument("--configs", default=None, help="comma-separated subset of the configs (eager always runs)")
     p.add_argument("--cpu-compile", action="store_true", help="on CPU, also run the piecewise configs ungraphed")
+    # The host-only group's defaults are None here and filled in by main(): a flag of the group
+    # given without --host-only was ignored without a word.
     h = p.add_argument_group("host only (P4)")
     h.add_argument("--host-only", action="store_true", help="time host work per step without the model")
-    h.add_argument("--batch-sizes", type=common.int_list_at_least(1), default=[16, 64, 256],
-                   help="running decode requests to time, comma-separated")
-    h.add_argument("--host-steps", type=common.int_at_least(1), default=50, help="timed decode steps per size")
-    h.add_argument("--warm-steps", type=common.int_at_least(0), default=5)
-    h.add_argument("--host-async", action="store_true", help="async scheduling in the host-only run")
-    h.add_argument("--host-profile", default=None, metavar="PATH",
+    h.add_argument("--batch-sizes", type=common.int_list_at_least(1), default=None,
+                   help="running decode requests to time, comma-separated (default: 16,64,256)")
+    h.add_argument("--host-steps", type=common.int_at_least(1), default=None,
+                   help="timed decode steps per size (default: 50)")
+    h.add_argument("--warm-steps", type=common.int_at_least(0), default=None, help="(default: 5)")
+    h.add_argument("--host-async", action="store_true", default=None, help="async scheduling in the host-only run")
+    # Checked at parse time (it failed with a traceback after the whole run): PATH and PATH.txt are written.
+    h.add_argument("--host-profile", type=common.json_path, default=None, metavar="PATH",
                    help="cProfile the timed steps of the persistent batch at the largest size; stats to PATH "
                         "(pstats format) and the top functions to PATH.txt")
     h.add_argument("--fake-vocab", type=common.int_at_least(1), default=None,
@@ -165,6 +176,13 @@ def main(argv=None) -> int:
     from rich.console import Console
     args = make_parser().parse_args(argv)
     common.refuse_max_num_seqs(args, "--batch-sizes" if args.host_only else "--slots")
+    host_flags = {name: value for name, value in HOST_ONLY_DEFAULTS.items() if getattr(args, name) is not None}
+    if host_flags and not args.host_only:
+        flag = "--" + next(iter(host_flags)).replace("_", "-")
+        raise SystemExit(f"{flag}: only with --host-only (the host-only run, P4); the configs table does not read it")
+    for name, default in HOST_ONLY_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     console = Console(stderr=True)
     if args.host_only:
         from pcg_engine.bench.host_overhead import run_host_only

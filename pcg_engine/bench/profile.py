@@ -62,12 +62,16 @@ def install_labels(engine) -> None:
     wrap_phases(engine, lambda fn, phase: _labelled(fn, "pcg.forward" if phase == "full_graph" else f"pcg.{phase}"))
 
 
+def output_tokens(args) -> int:
+    """Each request's max_tokens: the warm-up and profiled steps, with a margin."""
+    return args.warm_steps + args.steps + 8
+
+
 def profile_config(name: str, kw: dict, args, model: str, out_dir: Path, on_cuda: bool) -> dict:
     llm = common.build_llm(model, **{**common.engine_kwargs(args), "max_num_seqs": args.requests, **kw})
     engine = llm.engine
     install_labels(engine)
-    ids, _, _ = common.add_random_requests(llm, args.requests, args.prompt_len, args.warm_steps + args.steps + 8,
-                                           args.seed)
+    ids, _, _ = common.add_random_requests(llm, args.requests, args.prompt_len, output_tokens(args), args.seed)
     common.step_until_decoding(engine, ids)
     for _ in range(args.warm_steps):
         engine.step()
@@ -131,9 +135,10 @@ def main(argv=None) -> int:
             raise SystemExit(f"--configs: unknown {n!r}; known: {', '.join(table)}")
         if not on_cuda and table[n]["mode"] in GRAPH_MODES:
             raise SystemExit(f"--configs: {n!r} needs CUDA (whole-step graphs)")
+    model = common.resolve_model(args.model, args.seed)
+    common.refuse_too_long(args, model, args.prompt_len, output_tokens(args), "--prompt-len / --steps / --warm-steps")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = common.resolve_model(args.model, args.seed)
     results = []
     for n in names:
         with console.status(f"profiling {n}"):

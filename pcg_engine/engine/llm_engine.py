@@ -327,17 +327,19 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (BlockManager.reset_prefix_cache), so the next request
         finds none: a benchmark's measured run then starts cold, whatever ran before. Only on an
-        idle engine; returns False, changing nothing, while a request is unfinished."""
+        idle engine; returns False, changing nothing, while a request runs. An output still waiting
+        for step() (an aborted request's, a finished one's) holds no block and does not count: it
+        did, and an engine whose caller had just aborted everything answered False."""
         if self.closed:
             raise EngineClosedError("reset_prefix_cache")
-        if self.inflight is not None and not self.requests and not self.pending_outputs and not self.unresolved:
+        if self.inflight is not None and not self.requests and not self.unresolved:
             # Async: a step still in flight whose requests have all gone (an abandoned stream, an
             # interrupted generate() abort theirs and do not step). Nothing of it is left to read:
             # settle it here, dropping its tokens as a step would, rather than answer False on an
             # engine where no request runs (the load test then refused its measured run).
             inflight, self.inflight = self.inflight, None
             self.pending_outputs += self._resolve(inflight)     # nothing: every request finished
-        if self.has_unfinished_requests():
+        if self.requests or self.inflight is not None or self.unresolved:
             return False
         return self.block_manager.reset_prefix_cache()
 

@@ -139,13 +139,21 @@ def _generation_eos_ids(file: Path, value, vocab_size: int | None) -> list[int]:
 
 
 def eos_token_ids(path: Path, tokenizer=None, vocab_size: int | None = None) -> set[int]:
-    """EOS ids from generation_config.json (int or list) and the tokenizer. `tokenizer` may be a
+    """EOS ids from generation_config.json (int or list; config.json's where that file gives none)
+    and the tokenizer. `tokenizer` may be a
     loaded tokenizer, a LazyTokenizer (loaded only if its files do not give the id) or None.
     vocab_size, where known (the engine's model), bounds generation_config.json's ids and the
     tokenizer's."""
     ids: set[int] = set()
     file = Path(path) / "generation_config.json"
     config = _read_json(file)
+    if config is None or "eos_token_id" not in config:
+        # transformers' generate() does the same (GenerationConfig.from_model_config): without the
+        # file's own entry, config.json's eos_token_id (checked at load by model_config.py). Ignored
+        # before, a checkpoint without generation_config.json and without a tokenizer ran every
+        # request to max_tokens.
+        file = Path(path) / "config.json"
+        config = _read_json(file)
     if config is not None:
         ids.update(_generation_eos_ids(file, config.get("eos_token_id"), vocab_size))
     eos = tokenizer_eos_id(path) if isinstance(tokenizer, LazyTokenizer) and not tokenizer.loaded else _UNKNOWN

@@ -234,7 +234,12 @@ def parse_config(raw, where: str = "config.json") -> ModelConfig:
     # RoPE rotates pairs of dimensions: an odd head_dim loaded here and failed on the first prompt, as
     # "the tokenizer cannot be loaded" (transformers validates config.json in AutoTokenizer).
     even = "an even head_dim > 0 (RoPE rotates pairs of dimensions)"
-    if values["head_dim"] is None:          # what the model code does without it (and Qwen3-MoE's)
+    if values["head_dim"] is None and SUPPORTED[arch] == "qwen3":
+        # transformers' Qwen3Config defaults head_dim to 128 (the published models' width), not to
+        # hidden_size // heads: 1024 // 16 = 64 loaded a Qwen3-0.6B config without the field at the
+        # wrong width, refused by the weights' shapes or, where they fit, giving other tokens.
+        values["head_dim"] = 128
+    elif values["head_dim"] is None:        # Qwen3MoeConfig has no such default: its model code's
         values["head_dim"] = values["hidden_size"] // heads
         if values["head_dim"] % 2 or not values["head_dim"]:
             raise CheckpointError(f"{where}: no field 'head_dim', and hidden_size ({values['hidden_size']}) // "

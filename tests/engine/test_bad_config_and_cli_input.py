@@ -523,15 +523,18 @@ def test_bench_refused_setting_is_one_line(capsys, flags, expected):
     assert err[-1].startswith(expected) and not any("Traceback" in line for line in err)
 
 
-@pytest.mark.parametrize("where, expected", [("dir", "is a directory"), ("under-file", "is a file, not a directory")])
-def test_bench_json_path_refused_before_running(tmp_path, capsys, where, expected):
+@pytest.mark.parametrize("bench", [["latency", "--device", "cpu", "--model", "tiny-qwen3"], ["kernels"]])
+@pytest.mark.parametrize("where, expected", [("dir", "is a directory"), ("under-file", "is a file, not a directory"),
+                                             ("empty", "an empty path; give a file path")])
+def test_bench_json_path_refused_before_running(tmp_path, capsys, where, expected, bench):
     """--json naming a directory, or a path under a file, is refused at once (it failed after the
-    whole benchmark had run, with a traceback and no results)."""
+    whole benchmark had run, with a traceback and no results; kernels' with an IsADirectoryError
+    traceback, even on a CPU). An empty path was called "a directory"."""
     from pcg_engine import cli
     (tmp_path / "afile").write_text("x")
-    path = tmp_path if where == "dir" else tmp_path / "afile" / "out.json"
+    path = {"dir": str(tmp_path), "under-file": str(tmp_path / "afile" / "out.json"), "empty": ""}[where]
     with pytest.raises(SystemExit) as e:
-        cli.main(["bench", "latency", "--device", "cpu", "--model", "tiny-qwen3", "--json", str(path)])
+        cli.main(["bench", *bench, "--json", path])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--json" in err and expected in err and "building the engine" not in err
@@ -556,6 +559,15 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
     # a FileExistsError traceback from makedirs, before
     (["profile", "--out-dir", "{afile}"], "--out-dir: '{afile}': {afile} is a file, not a directory"),
     (["startup", "--profile-dir", "{afile}/x"], "--profile-dir: '{afile}/x': {afile} is a file, not a directory"),
+    # a traceback after the whole host-only run, before
+    (["overhead", "--host-only", "--host-profile", "{afile}/x"], "--host-profile: '{afile}/x': {afile} is a file, "
+     "not a directory"),
+    # ignored without a word outside the host-only run, before
+    (["overhead", "--batch-sizes", "16"], "error: --batch-sizes: only with --host-only"),
+    (["overhead", "--host-profile", "p.prof"], "error: --host-profile: only with --host-only"),
+    # the known configs in a new order each run, before
+    (["overhead", "--configs", "foo"], "error: --configs: unknown ['foo']; known: eager, fused, fused + async, "
+     "full graphs, full graphs + async, piecewise, piecewise + async"),
     # the child process's ConfigError traceback, before
     (["startup", "--mode", "piecwise"], "--mode: invalid choice: 'piecwise'"),
     # bench load: torch's AttributeError / RuntimeError tracebacks, before

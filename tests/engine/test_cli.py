@@ -67,6 +67,24 @@ def test_generate_stream(cli_env, dense_path, in_process):
     assert "tokens in" in stream.stderr
 
 
+@pytest.mark.parametrize("flag", ["--json", "--stream"])
+def test_generate_into_a_closed_pipe_exits_quietly(cli_env, dense_path, flag):
+    """`pcg generate --json | head -1`: the reader goes away, and pcg stops with the shell's SIGPIPE
+    code and no traceback (it printed a BrokenPipeError traceback from the print or the stream's
+    write). The pipe's read end is closed before pcg starts, so every write fails."""
+    argv = [sys.executable, "-m", "pcg_engine.cli", "generate", "--device", "cpu", "--max-tokens", "4",
+            "--model", str(dense_path), "--prompt", PROMPTS[0], flag]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(argv, env=cli_env, cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=300)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_generate_default_model(cli_env, monkeypatch):
     """No --model: the bundled tiny model is built on first use into $XDG_CACHE_HOME, then reused."""

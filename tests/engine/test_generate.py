@@ -123,6 +123,26 @@ def test_reset_prefix_cache_makes_the_next_prompt_miss(engines):
     assert_drained(llm.engine)
 
 
+def test_reset_prefix_cache_right_after_an_abort(engines):
+    """An aborted request's output still waiting for step() holds no block: the reset goes through
+    (it answered False on an engine whose caller had just aborted everything), and the aborted
+    request's final output still comes on the next step."""
+    llm = engines("tiny-qwen3")
+    engine = llm.engine
+    prompt = random_prompts([40], seed=5)[0]
+    rid = engine.add_request(prompt, greedy())
+    engine.step()                                           # computed, its full blocks published
+    engine.abort_request(rid)
+    assert engine.has_unfinished_requests()                 # the abort's output is not read yet
+    assert engine.block_manager.num_cached_blocks > 0
+    assert llm.reset_prefix_cache() is True
+    assert engine.block_manager.num_cached_blocks == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    finals = drain(engine)
+    assert list(finals) == [rid] and finals[rid].finish_reason == "abort"
+    assert_drained(engine)
+
+
 def test_preemption_with_prefix_cache_and_chunking_together(engines, hf_refs):
     """The three mechanisms at once, with a mixed batch of shared-prefix and unrelated prompts."""
     llm = engines("tiny-qwen3", num_kv_blocks=12, max_num_batched_tokens=12, block_size=4)

@@ -223,3 +223,28 @@ def test_text_beyond_a_smaller_model_vocabulary_names_the_tokenizer(dense_path, 
         engine.step()
     assert not engine.requests and engine.block_manager.num_used_blocks == 0
     llm.close()
+
+
+@pytest.mark.parametrize("generation_config", ["missing", "without eos_token_id", "eos_token_id null"])
+def test_eos_from_config_json_when_generation_config_gives_none(dense_path, tmp_path, generation_config):
+    """As transformers' generate() does (GenerationConfig.from_model_config): without
+    generation_config.json, or with one that has no eos_token_id, config.json's eos_token_id is
+    the EOS. It was ignored: a checkpoint without that file and without a tokenizer (weights and
+    config.json, as a conversion leaves them) ran every request to max_tokens. A file that says
+    null means no EOS of its own, and config.json's is not taken over it."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(dense_path / name, bare / name)
+    config_eos = json.loads((bare / "config.json").read_text())["eos_token_id"]
+    assert isinstance(config_eos, int)
+    if generation_config != "missing":
+        data = json.loads((dense_path / "generation_config.json").read_text())
+        if generation_config == "without eos_token_id":
+            del data["eos_token_id"]
+        else:
+            data["eos_token_id"] = None
+        (bare / "generation_config.json").write_text(json.dumps(data))
+    want = set() if generation_config == "eos_token_id null" else {config_eos}
+    assert eos_token_ids(bare, LazyTokenizer(bare), vocab_size=1024) == want
+    assert make_llm(bare).engine.eos_token_ids == want

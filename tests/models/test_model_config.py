@@ -19,16 +19,25 @@ def preset_json(name: str) -> dict:
     return json.loads(json.dumps(presets.config_json(name)))    # exactly what config.json holds
 
 
+@pytest.mark.parametrize("without_head_dim", [False, True])
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
-def test_reads_what_transformers_reads(name, tmp_path):
+def test_reads_what_transformers_reads(name, tmp_path, without_head_dim):
+    """Every preset's config.json, and the same without head_dim: transformers' Qwen3Config then
+    defaults it to 128, while its MoE model code takes hidden_size // num_attention_heads (this
+    reader took that for both: 64 for a Qwen3-0.6B config, whose weights are at 128)."""
     from transformers import AutoConfig
 
     raw = preset_json(name)
+    if without_head_dim:
+        del raw["head_dim"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     ours = read_config(tmp_path)
     theirs = AutoConfig.from_pretrained(str(tmp_path), local_files_only=True)
     for field in FIELDS + (MOE_FIELDS if ours.is_moe else ()):
-        assert getattr(ours, field) == getattr(theirs, field), field
+        want = getattr(theirs, field, None)
+        if field == "head_dim" and want is None:      # what the MoE model code does without it
+            want = theirs.hidden_size // theirs.num_attention_heads
+        assert getattr(ours, field) == want, field
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
     assert ours.is_moe == (raw["model_type"] == "qwen3_moe")
     if ours.is_moe:
@@ -127,8 +136,8 @@ def test_odd_head_dim_is_refused(edit, message):
     """Found by probing: a checkpoint of odd head_dim (weights of its shapes) loaded, and the first
     prompt, text or token ids, failed as "the tokenizer cannot be loaded" (transformers validates
     config.json in AutoTokenizer: "RoPE requires an even rotary dimension"), naming neither
-    config.json nor the field."""
-    raw = preset_json("tiny-qwen3")
+    config.json nor the field. (Qwen3-MoE's: a dense Qwen3 config without head_dim takes 128.)"""
+    raw = preset_json("tiny-qwen3-moe")
     raw.update(edit)
     with pytest.raises(CheckpointError) as info:
         parse_config(raw, "ckpt/config.json")

@@ -526,7 +526,12 @@ def test_kernels_json_on_a_cpu_says_why_it_holds_no_rows(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["rows"] == [] and data["gpu"] is None and "no CUDA device" in data["skipped"]
     assert data["torch"] == torch.__version__
+    # The record every benchmark's JSON carries (it held the versions alone); a missing parent is made.
+    assert data["benchmark"] == "kernels" and data["device"].startswith("CPU") and data["date"].startswith("20")
+    assert "commit" in data and data["config"]["only"] == "norm"
     assert "Nothing measured" in capsys.readouterr().out
+    nested = tmp_path / "new" / "dir" / "kernels.json"
+    assert kernels.main(["--json", str(nested), "--only", "norm"]) == 0 and json.loads(nested.read_text())["rows"] == []
 
 
 @pytest.mark.parametrize("name", ["load_test", "bench_throughput", "bench_latency", "bench_overhead",
@@ -838,6 +843,13 @@ def test_block_manager_bench_runs_both_trees(capsys):
     (latency, ["--input-len", "30", "--output-len", "4", "--num-kv-blocks", "3"], "--input-len / --output-len: the "
      "longest request is 30 prompt + 4 output tokens, more than the 32 tokens of the KV cache (--num-kv-blocks 3); "
      "lower them or raise --num-kv-blocks"),
+    # overhead and profile: the engine refused each request under prompt_token_ids / max_tokens
+    (overhead, ["--prompt-len", "60", "--new-tokens", "8"], "--prompt-len / --new-tokens: the longest request is "
+     "60 prompt + 8 output tokens, more than max_model_len 64"),
+    (overhead, ["--host-only", "--batch-sizes", "4", "--prompt-len", "55", "--host-steps", "3", "--warm-steps", "1"],
+     "--prompt-len / --host-steps / --warm-steps: the longest request is 55 prompt + 11 output tokens"),
+    (profile, ["--prompt-len", "60"], "--prompt-len / --steps / --warm-steps: the longest request is 60 prompt + "
+     "16 output tokens"),
 ])
 def test_benchmarks_refuse_requests_longer_than_max_model_len_before_building_an_engine(module, flags, named,
                                                                                        monkeypatch):
