@@ -243,8 +243,18 @@ def cmd_generate(args) -> int:
             # start with it compiles its own entry.
             os.environ["PCG_SAVED_TRACE"] = "0"
         t0 = time.perf_counter()
+        if args.model is not None and not os.path.isdir(args.model):
+            # read_config's reason (no such directory, a file, a preset's name), with the flag: it
+            # named the path alone.
+            from pcg_engine.models.model_config import read_config
+            try:
+                read_config(args.model)
+            except PcgError as e:
+                raise SystemExit(f"--model: {e}") from None
+        # Not on a stderr that is not a terminal (a log, a pipe): the spinner cannot redraw there,
+        # and its stop wrote an empty line before the error or the summary.
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=err, transient=True, disable=args.json) as progress:
+                      console=err, transient=True, disable=args.json or not err.is_terminal) as progress:
             task = progress.add_task("loading model" + (" and capturing graphs" if args.mode != "eager" else ""))
             llm = LLM(args.model, progress=progress, **config)
             progress.update(task, completed=1)
@@ -302,6 +312,13 @@ def cmd_generate(args) -> int:
         own = (overrides[index] or {}) if index is not None and index < len(overrides) else {}
         text = _name_the_flag(e, lambda field: hasattr(args, field) and field not in own
                               and (source is None or field != "prompt"))
+        # The API's names for what the command line spells otherwise: the prompt's tokens are the
+        # prompt given (--prompt, a file's line), and the remedy is the flag.
+        if text.startswith("prompt_token_ids: "):
+            text = text[len("prompt_token_ids: "):]
+            if source is None and len(prompts) == 1:
+                source = sources[0]
+        text = text.replace("set truncate_prompt_tokens", "set --truncate-prompt-tokens")
         if source is not None:
             # generate()'s "(prompt 0 of 2; ...)" counts from 0: beside "--prompt #1" or a file's
             # line it named the same prompt by a second, different number
@@ -368,8 +385,10 @@ def _add_make_model(sub):
 
 def _add_bench(sub):
     p = sub.add_parser("bench", help="benchmarks: latency, throughput, load-test, overhead, profile, kernels, load, startup")
-    p.add_argument("name", help="which benchmark")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    # Optional to argparse, so that `pcg bench` alone lists the benchmarks (it said "the following
+    # arguments are required: name, rest", naming the parser's own variables).
+    p.add_argument("name", nargs="?", metavar="BENCHMARK", help="which benchmark (`pcg bench NAME --help`)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the benchmark's flags")
     p.set_defaults(func=cmd_bench)
 
 
@@ -379,6 +398,8 @@ def cmd_bench(args) -> int:
              "load-test": "pcg_engine.bench.load_test", "overhead": "pcg_engine.bench.overhead",
              "profile": "pcg_engine.bench.profile", "kernels": "pcg_engine.bench.kernels",
              "load": "pcg_engine.bench.load", "startup": "pcg_engine.bench.startup"}
+    if args.name is None:
+        raise SystemExit(f"pcg bench: name a benchmark: {', '.join(table)} (`pcg bench NAME --help` for its flags)")
     if args.name not in table:
         raise SystemExit(f"pcg bench: unknown benchmark {args.name!r}; choose from {', '.join(table)}")
     from pcg_engine.errors import PcgError

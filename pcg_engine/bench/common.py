@@ -146,6 +146,20 @@ def refuse_too_long(args: argparse.Namespace, model: str, prompt_len: int, outpu
                          f"more than {what}; lower them or raise {flag}")
 
 
+def only_with(args: argparse.Namespace, switch: str, defaults: dict) -> None:
+    """Flags that one run of a benchmark alone reads (parsed with default None), refused when given
+    without the switch that asks for that run, naming both; then set to their defaults. Such flags
+    were ignored without a word (overhead's --batch-sizes without --host-only, load-test's
+    --sweep-start without --sweep-rates, startup's --warm-repeats without --warm-ab)."""
+    given = [name for name in defaults if getattr(args, name) is not None]
+    if given and not getattr(args, switch.lstrip("-").replace("-", "_")):
+        flag = "--" + given[0].replace("_", "-")
+        raise SystemExit(f"{flag}: only with {switch}, the run that reads it; give {switch} or leave {flag} out")
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def refuse_max_num_seqs(args: argparse.Namespace, instead: str) -> None:
     """Benchmarks whose own flag sets max_num_seqs (overhead's --slots, profile's --requests) replaced
     a given --max-num-seqs without a word."""

@@ -202,13 +202,20 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:200 tpot:20")
     p.add_argument("--warmup", type=common.int_at_least(0), default=2, help="warm-up requests per mode before measuring")
     p.add_argument("--sweep-rates", action="store_true", help="find each mode's highest rate within the SLOs")
-    p.add_argument("--sweep-num-prompts", type=common.int_at_least(1), default=100, help="requests per sweep trial")
+    # The sweep's own flags: default None here, filled in from SWEEP_DEFAULTS (common.only_with).
+    p.add_argument("--sweep-num-prompts", type=common.int_at_least(1), default=None,
+                   help="requests per sweep trial (default 100)")
     p.add_argument("--sweep-start", type=float, default=None, help="first rate tried (default --request-rate or 4)")
-    p.add_argument("--sweep-attainment", type=float, default=0.9, help="fraction of requests that must meet the SLOs")
-    p.add_argument("--sweep-bisect", type=common.int_at_least(0), default=3, help="bisection steps after bracketing")
+    p.add_argument("--sweep-attainment", type=float, default=None,
+                   help="fraction of requests that must meet the SLOs (default 0.9)")
+    p.add_argument("--sweep-bisect", type=common.int_at_least(0), default=None,
+                   help="bisection steps after bracketing (default 3)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run before the rest are aborted")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+SWEEP_DEFAULTS = {"sweep_num_prompts": 100, "sweep_start": None, "sweep_attainment": 0.9, "sweep_bisect": 3}
 
 
 def check_args(args) -> None:
@@ -217,13 +224,14 @@ def check_args(args) -> None:
     among them), --range-ratio and --temperature are checked by their argparse types
     (common.int_at_least, common.fraction, common.temperature).
     A run of 0 requests printed a table of zeros."""
+    common.only_with(args, "--sweep-rates", SWEEP_DEFAULTS)
     checks = [("--request-rate", args.request_rate, args.request_rate > 0, "a number > 0 (inf: all at once)"),
-              ("--burstiness", args.burstiness, 0 < args.burstiness < float("inf"), "a number > 0"),
+              ("--burstiness", args.burstiness, 0 < args.burstiness < float("inf"), "a finite number > 0"),
               ("--sweep-attainment", args.sweep_attainment, 0 < args.sweep_attainment <= 1, "a number in (0, 1]")]
     if args.timeout is not None:
         checks.append(("--timeout", args.timeout, args.timeout > 0, "seconds > 0"))
     if args.sweep_start is not None:   # (0 was taken as "unset", a NaN swept at rate nan)
-        checks.append(("--sweep-start", args.sweep_start, 0 < args.sweep_start < float("inf"), "a number > 0"))
+        checks.append(("--sweep-start", args.sweep_start, 0 < args.sweep_start < float("inf"), "a finite number > 0"))
     for flag, value, ok, allowed in checks:
         if not ok:   # (a NaN fails every comparison, so it lands here too)
             raise SystemExit(f"pcg bench load-test: {flag} must be {allowed}, got {value}")

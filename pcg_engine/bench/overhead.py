@@ -151,8 +151,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=common.int_at_least(1), default=16)
     p.add_argument("--configs", default=None, help="comma-separated subset of the configs (eager always runs)")
     p.add_argument("--cpu-compile", action="store_true", help="on CPU, also run the piecewise configs ungraphed")
-    # The host-only group's defaults are None here and filled in by main(): a flag of the group
-    # given without --host-only was ignored without a word.
+    # The host-only group's defaults are None here and filled in by main() (common.only_with).
     h = p.add_argument_group("host only (P4)")
     h.add_argument("--host-only", action="store_true", help="time host work per step without the model")
     h.add_argument("--batch-sizes", type=common.int_list_at_least(1), default=None,
@@ -176,13 +175,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     args = make_parser().parse_args(argv)
     common.refuse_max_num_seqs(args, "--batch-sizes" if args.host_only else "--slots")
-    host_flags = {name: value for name, value in HOST_ONLY_DEFAULTS.items() if getattr(args, name) is not None}
-    if host_flags and not args.host_only:
-        flag = "--" + next(iter(host_flags)).replace("_", "-")
-        raise SystemExit(f"{flag}: only with --host-only (the host-only run, P4); the configs table does not read it")
-    for name, default in HOST_ONLY_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    common.only_with(args, "--host-only", HOST_ONLY_DEFAULTS)
     console = Console(stderr=True)
     if args.host_only:
         from pcg_engine.bench.host_overhead import run_host_only

@@ -33,8 +33,8 @@ import sys
 import tempfile
 import time
 
-from pcg_engine.bench.common import (directory_path, env_record, int_at_least, json_path, print_table, resolve_model,
-                                     write_json)
+from pcg_engine.bench.common import (directory_path, env_record, int_at_least, json_path, only_with, print_table,
+                                     resolve_model, write_json)
 from pcg_engine.config import MODES, EngineConfig
 
 _CHILD = """
@@ -137,9 +137,10 @@ def main(argv=None) -> int:
     p.add_argument("--warm-ab", default=None, type=_ab_switch, metavar="VAR=A,B",
                    help="an A/B of warm starts: after the cold run, warm runs with the environment variable VAR "
                         "set to A, B, A, B, ... (--warm-repeats rounds) instead of the one plain warm run")
-    p.add_argument("--warm-repeats", type=int_at_least(1), default=2, help="rounds of --warm-ab (default 2)")
+    p.add_argument("--warm-repeats", type=int_at_least(1), default=None, help="rounds of --warm-ab (default 2)")
     p.add_argument("--no-cold-bytecode", action="store_true", help="skip the third run (cold, bytecode)")
     args = p.parse_args(argv)
+    only_with(args, "--warm-ab", {"warm_repeats": 2})
     config = {"mode": args.mode, "device": args.device, "max_num_seqs": args.max_num_seqs}
     _check_config(config)
     model = resolve_model(args.model)

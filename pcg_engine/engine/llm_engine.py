@@ -243,7 +243,10 @@ class LLMEngine:
                 if not self.lazy_tokenizer.available:
                     raise InvalidRequestError("prompt", f"is text, but {self.lazy_tokenizer.missing()}; "
                                               "give token ids instead")
-                prompt_token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                # verbose=False: transformers warned "Token indices sequence length is longer than
+                # the specified maximum" past the tokenizer's model_max_length, for a prompt the
+                # engine then takes or refuses by its own max_model_len (or truncates as asked).
+                prompt_token_ids = self.tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"]
                 beyond = max(prompt_token_ids, default=0)       # max: in C, not a per-token loop
                 if beyond >= self.vocab_size:
                     # Not the caller's token ids: the checkpoint's tokenizer and config.json disagree,

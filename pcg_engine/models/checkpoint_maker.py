@@ -159,7 +159,8 @@ def make_checkpoint(preset: str, out_dir: str | os.PathLike, seed: int = 0,
     torch_dtype = getattr(torch, dtype_name)
     max_bytes = parse_size(max_shard_size)
     if max_bytes <= 0:
-        raise ConfigError("max_shard_size", f"must be positive, got {max_shard_size!r}")
+        # ('0.5B' parses, to 0 bytes: "must be positive, got '0.5B'" read as a refusal of 0.5)
+        raise ConfigError("max_shard_size", f"must be at least 1 byte, got {max_shard_size!r} ({max_bytes} bytes)")
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be a non-negative integer, got {seed!r}")
     _check_device(device)

@@ -377,7 +377,7 @@ def test_generate_error_is_one_line_with_brackets_kept(tmp_path, capsys):
     missing = tmp_path / ("deep" * 20) / "model[bold]x"
     assert cli.main(["generate", "--model", str(missing), "--prompt", "hi", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: {missing}: checkpoint directory does not exist"
+    assert err == f"error: --model: {missing}: checkpoint directory does not exist"
 
 
 def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
@@ -399,12 +399,12 @@ def test_chat_with_token_id_prompts_is_one_line(tiny_paths, tmp_path, capsys):
     # "--prompt #1: ... (prompt 0 of 2; ...)": one prompt, two numbers
     (None, ["--prompt", "hi", "--prompt", "there", "--max-tokens", "64"],
      "--prompt #1: --max-tokens (max_tokens): prompt has 1 tokens and max_tokens is 64, beyond max_model_len 64; "
-     "max_tokens allowed: 1..63 (or set truncate_prompt_tokens to shorten the prompt) (none of them was run)"),
+     "max_tokens allowed: 1..63 (or set --truncate-prompt-tokens to shorten the prompt) (none of them was run)"),
     # said "prompt 1 of 2" only: the file's line had to be counted out (blank lines left out)
     ('ok\n\n{"prompt": [5, 99999]}\n', [],
-     "--prompts-file: line 3: prompt_token_ids: token 99999 at position 1 is outside the vocabulary"),
+     "--prompts-file: line 3: token 99999 at position 1 is outside the vocabulary"),
     ('{"prompt": [5, 99999]}\n', ["--stream"],
-     "--prompts-file: line 1: prompt_token_ids: token 99999 at position 1 is outside the vocabulary"),
+     "--prompts-file: line 1: token 99999 at position 1 is outside the vocabulary"),
     ('ok\n{"prompt": ' + str([5] * 60) + '}\n', ["--max-tokens", "10"],
      "--prompts-file: line 2: --max-tokens (max_tokens): prompt has 60 tokens and max_tokens is 10, beyond "
      "max_model_len 64; max_tokens allowed: 1..4"),
@@ -431,7 +431,7 @@ def test_truncate_prompt_tokens_flag_runs_a_prompt_the_context_refused(tiny_path
     base = ["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--max-model-len", "64",
             "--max-tokens", "4", "--ignore-eos", "--json", "--prompt", " ".join(["hello"] * 80)]
     assert cli.main(base) == 2
-    assert "or set truncate_prompt_tokens" in capsys.readouterr().err
+    assert "or set --truncate-prompt-tokens" in capsys.readouterr().err
     assert cli.main([*base, "--truncate-prompt-tokens", "20"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 4
@@ -563,8 +563,12 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
     (["overhead", "--host-only", "--host-profile", "{afile}/x"], "--host-profile: '{afile}/x': {afile} is a file, "
      "not a directory"),
     # ignored without a word outside the host-only run, before
-    (["overhead", "--batch-sizes", "16"], "error: --batch-sizes: only with --host-only"),
+    (["overhead", "--batch-sizes", "16"], "error: --batch-sizes: only with --host-only, the run that reads it"),
     (["overhead", "--host-profile", "p.prof"], "error: --host-profile: only with --host-only"),
+    (["load-test", "--sweep-start", "2"], "error: --sweep-start: only with --sweep-rates"),
+    (["startup", "--warm-repeats", "3"], "error: --warm-repeats: only with --warm-ab"),
+    # "must be a number > 0, got inf", before
+    (["load-test", "--burstiness", "inf"], "--burstiness must be a finite number > 0, got inf"),
     # the known configs in a new order each run, before
     (["overhead", "--configs", "foo"], "error: --configs: unknown ['foo']; known: eager, fused, fused + async, "
      "full graphs, full graphs + async, piecewise, piecewise + async"),
@@ -591,6 +595,44 @@ def test_bench_flags_refused_before_running(tmp_path, capsys, argv, expected):
     err = capsys.readouterr().err
     assert code == 2 and expected.format(afile=afile) in err, err
     assert "Traceback" not in err and "building the engine" not in err
+
+
+@pytest.mark.parametrize("where", ["missing", "a file"])
+def test_generate_names_model_for_a_path_that_is_no_checkpoint(tmp_path, capsys, where):
+    """It said "error: /x: checkpoint directory does not exist", naming no flag, after an empty line
+    (the spinner's stop, on a stderr that is not a terminal)."""
+    from pcg_engine import cli
+    path = tmp_path / "x"
+    if where == "a file":
+        path.write_text("x")
+    assert cli.main(["generate", "--device", "cpu", "--model", str(path), "--prompt", "hi"]) == 2
+    reason = "checkpoint directory does not exist" if where == "missing" else "a file, not a checkpoint directory"
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model: {path}: {reason}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flags, start, end", [
+    (["--prompt", "hello world " * 40], "error: --prompt: prompt has ", "(or set --truncate-prompt-tokens to shorten the "
+     "prompt)\n"),
+    (["--prompt", "hi", "--max-tokens", "100"], "error: --max-tokens (max_tokens): prompt has ",
+     "(or set --truncate-prompt-tokens to shorten the prompt)\n"),
+])
+def test_generate_names_flags_not_api_fields_for_a_long_prompt(capsys, flags, start, end):
+    """Found by probing: "error: prompt_token_ids: prompt has 701 tokens ... (or set
+    truncate_prompt_tokens ...)": the API's names, for a prompt given by --prompt and a remedy
+    that is a flag."""
+    from pcg_engine import cli
+    assert cli.main(["generate", "--device", "cpu", "--max-model-len", "64", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(start) and err.endswith(end) and "prompt_token_ids" not in err, err
+
+
+def test_bench_without_a_name_lists_the_benchmarks(capsys):
+    """It said "the following arguments are required: name, rest" (the parser's variable names)."""
+    from pcg_engine import cli
+    assert cli.main(["bench"]) == 2
+    assert capsys.readouterr().err == ("error: pcg bench: name a benchmark: latency, throughput, load-test, overhead, "
+                                       "profile, kernels, load, startup (`pcg bench NAME --help` for its flags)\n")
 
 
 def test_generate_names_mode_for_a_full_graph_mode_on_the_torch_backend(capsys):

@@ -248,3 +248,32 @@ def test_eos_from_config_json_when_generation_config_gives_none(dense_path, tmp_
     want = set() if generation_config == "eos_token_id null" else {config_eos}
     assert eos_token_ids(bare, LazyTokenizer(bare), vocab_size=1024) == want
     assert make_llm(bare).engine.eos_token_ids == want
+
+
+def test_a_prompt_past_the_tokenizers_model_max_length_gives_no_transformers_warning(tok_copy, dense_path):
+    """The engine's limit is max_model_len; transformers' "Token indices sequence length is longer
+    than the specified maximum sequence length" (the tokenizer's model_max_length) was printed for a
+    prompt the engine then ran, or truncated as asked."""
+    shutil.copy(dense_path / "model.safetensors", tok_copy / "model.safetensors")
+    _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(model_max_length=8))
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    # transformers' own handler writes to the stderr of its import (not what capfd captures): a
+    # handler of ours on its logger sees what it would print.
+    records, logger = Records(), logging.getLogger("transformers")
+    logger.addHandler(records)
+    try:
+        llm = make_llm(tok_copy)
+        out = llm.generate(["hello world " * 10], SamplingParams(max_tokens=2, temperature=0))[0]
+    finally:
+        logger.removeHandler(records)
+    assert not [m for m in records.messages if "Token indices" in m]
+    assert len(out.prompt_token_ids) > llm.tokenizer.model_max_length == 8 and len(out.token_ids) == 2

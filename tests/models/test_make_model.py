@@ -3,6 +3,7 @@
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,6 +243,18 @@ def test_cli_main_names_the_flag(tmp_path, capsys):
                      "--max-shard-size", "-5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: pcg make-model: --max-shard-size (max_shard_size): ") and "Traceback" not in err
+
+
+def test_make_model_script_reports_as_the_cli_does(tmp_path, capsys):
+    """scripts/make_model.py printed a refusal bare and exited 1; the CLI's form is "error: ..."
+    and exit 2. A size that parses to 0 bytes says so ('0.5B' read as "must be positive")."""
+    import runpy
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "make_model.py"))
+    assert script["main"](["--preset", "tiny-qwen3", "--out", str(tmp_path / "m"), "--max-shard-size", "0.5B"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: pcg make-model: --max-shard-size (max_shard_size): must be at least 1 byte, "
+                   "got '0.5B' (0 bytes)\n")
+    assert not (tmp_path / "m").exists()
 
 
 def test_cli_out_that_cannot_be_a_directory(tmp_path):

@@ -129,6 +129,7 @@ def test_sweep_that_never_fails_reports_a_lower_bound(monkeypatch, limit, lower_
     monkeypatch.setattr(load_test, "run_once", fake_run)
     monkeypatch.setattr(load_test, "build_dataset", lambda *a: [])
     args = load_test.make_parser().parse_args(["--sweep-rates", "--goodput", "ttft:100", "--sweep-start", "4"])
+    load_test.check_args(args)       # (as main() does: it fills in the sweep's defaults)
     out = load_test.sweep_mode(None, args, None, {"ttft": 100.0}, "m", None)
     assert out["max_rate_is_lower_bound"] is lower_bound
     assert out["max_rate"] == (13.0 if limit == 13.0 else 4.0 * 2 ** load_test.SWEEP_MAX_DOUBLINGS)
@@ -686,7 +687,7 @@ BAD_FLAGS = [
     (load_test, ["--num-prompts", "0"]), (load_test, ["--input-len", "0"]), (load_test, ["--output-len", "-1"]),
     (load_test, ["--range-ratio", "1"]), (load_test, ["--request-rate", "-1"]), (load_test, ["--request-rate", "nan"]),
     (load_test, ["--burstiness", "0"]), (load_test, ["--max-concurrency", "0"]),
-    (load_test, ["--sweep-attainment", "1.5"]), (load_test, ["--timeout", "0"]), (load_test, ["--warmup", "x"]),
+    (load_test, ["--sweep-rates", "--sweep-attainment", "1.5"]), (load_test, ["--timeout", "0"]), (load_test, ["--warmup", "x"]),
     (throughput, ["--num-prompts", "0"]), (throughput, ["--input-min", "0"]), (throughput, ["--output-len", "0"]),
     (throughput, ["--range-ratio", "-0.1"]), (throughput, ["--input-min", "50", "--input-max", "10"]),
     (latency, ["--num-iters", "0"]), (latency, ["--output-len", "1"]), (latency, ["--batch-size", "0"]),
@@ -757,9 +758,9 @@ def test_host_drift_windows_and_clocks(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--sweep-start", "0"], "--sweep-start must be a number > 0"),
-    (["--sweep-start", "nan"], "--sweep-start must be a number > 0"),
-    (["--sweep-start", "-1"], "--sweep-start must be a number > 0"),
+    (["--sweep-rates", "--sweep-start", "0"], "--sweep-start must be a finite number > 0"),
+    (["--sweep-rates", "--sweep-start", "nan"], "--sweep-start must be a finite number > 0"),
+    (["--sweep-rates", "--sweep-start", "-1"], "--sweep-start must be a finite number > 0"),
     # gaps of NaN (sent at once), of inf, or a ZeroDivisionError traceback
     (["--burstiness", "1e-320", "--request-rate", "1"], "--request-rate 1 with --burstiness 9.99989e-321 gives no "
      "finite gap between requests"),
