@@ -10,9 +10,10 @@ incomplete character, so the request stops at the token that completes the stop 
 cut before the stop string.
 While stop strings are set, the last (longest stop - 1) characters are held back: they might be the
 start of a stop string, and text once emitted (streamed) cannot be taken back. `flush` releases them
-when the request ends for another reason. With min_tokens, stop strings are searched only in the
-text of the min_tokens-th output token on (as EOS and stop_token_ids wait for it); the text before is
-emitted as it comes.
+when the request ends for another reason. With min_tokens, a stop string counts only where it ends in
+the text of the min_tokens-th output token or later (as EOS and stop_token_ids wait for it), as vLLM
+matches it; the text before is held back the same way, so one that starts before and ends there is
+found.
 """
 
 import weakref
@@ -108,16 +109,22 @@ class IncrementalDetokenizer:
         return ""
 
     def _append_text(self, delta: str) -> str:
-        if not self.stop or len(self.tokens) < self.min_tokens:
+        if not self.stop:
             delta, self.held = self.held + delta, ""
             self.text += delta
             return delta
-        # No stop string can start inside emitted text: it would have ended inside text already
-        # searched, since what is held back covers the longest stop string but one character.
         pending = self.held + delta
-        cut = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut = -1
+        if len(self.tokens) >= self.min_tokens:
+            # Only a stop string that ends in this delta: one inside the held-back text ended before
+            # (it was searched then, or came before the min_tokens-th token, where none counts).
+            # No stop string can start inside emitted text, since what is held back covers the
+            # longest stop string but one character; one that started in the held-back text before
+            # the min_tokens-th token and ends with it counts (it was emitted before, and missed).
+            found = [(i, s) for s in self.stop if (i := pending.find(s, max(0, len(self.held) - len(s) + 1))) >= 0]
+            if found:
+                cut, self.stopped_by = min(found, key=lambda f: f[0])
         if cut >= 0:
-            self.stopped_by = next(s for s in self.stop if pending.find(s) == cut)
             emitted = pending[:cut]
             self.held = ""
         else:

@@ -176,6 +176,11 @@ class LLMEngine:
                                       f"got {request_id!r}")
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use by an unfinished request")
+        if any(o.request_id == request_id for o in self.pending_outputs):
+            # Its final output (an abort's, say) is still to come from step(): taken, the caller got
+            # two finished outputs under one id and took the first for the new request's end.
+            raise InvalidRequestError("request_id", f"{request_id!r} is the id of a finished request whose final "
+                                      "output step() has not returned yet; step() first, or use another id")
         if params.stop and not self.lazy_tokenizer.available:
             raise InvalidRequestError("stop", f"stop strings are matched on the output text, but "
                                       f"{self.lazy_tokenizer.missing()}; use stop_token_ids")
@@ -323,8 +328,19 @@ class LLMEngine:
 
     @_locked
     def has_unfinished_requests(self) -> bool:
+        self._settle_orphaned_step()
         return (bool(self.requests) or self.inflight is not None or bool(self.pending_outputs)
                 or bool(self.unresolved))
+
+    def _settle_orphaned_step(self) -> None:
+        """Async: a step still in flight whose requests have all gone (an abandoned stream, an
+        interrupted generate() abort theirs and do not step). Nothing of it is left to read:
+        settled here, its tokens dropped as a step would, rather than have an engine where no
+        request runs report unfinished work (has_unfinished_requests() said True until one more
+        step()) or refuse reset_prefix_cache() (the load test then refused its measured run)."""
+        if self.inflight is not None and not self.requests and not self.unresolved:
+            inflight, self.inflight = self.inflight, None
+            self.pending_outputs += self._resolve(inflight)     # nothing: every request finished
 
     @_locked
     def reset_prefix_cache(self) -> bool:
@@ -335,13 +351,7 @@ class LLMEngine:
         did, and an engine whose caller had just aborted everything answered False."""
         if self.closed:
             raise EngineClosedError("reset_prefix_cache")
-        if self.inflight is not None and not self.requests and not self.unresolved:
-            # Async: a step still in flight whose requests have all gone (an abandoned stream, an
-            # interrupted generate() abort theirs and do not step). Nothing of it is left to read:
-            # settle it here, dropping its tokens as a step would, rather than answer False on an
-            # engine where no request runs (the load test then refused its measured run).
-            inflight, self.inflight = self.inflight, None
-            self.pending_outputs += self._resolve(inflight)     # nothing: every request finished
+        self._settle_orphaned_step()
         if self.requests or self.inflight is not None or self.unresolved:
             return False
         return self.block_manager.reset_prefix_cache()

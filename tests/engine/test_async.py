@@ -11,6 +11,7 @@ consistent after every step), and the async engines must really have fed placeho
 import pytest
 
 from engine_helpers import assert_drained, assert_tokens, drain, make_llm, random_prompts
+from pcg_engine.errors import InvalidRequestError
 from pcg_engine.engine.request import PLACEHOLDER
 from pcg_engine.sampling_params import SamplingParams
 
@@ -377,15 +378,22 @@ def test_request_id_reused_while_old_token_in_flight(how, dense_path):
     assert finals["old"].finish_reason == how and finals["old"].token_ids == ref[0][:len(finals["old"].token_ids)]
     assert engine.inflight is not None and old in engine.inflight.requests and old.is_finished
     assert "x" not in engine.requests and old_row is not None
-    engine.add_request(prompts[1], greedy(N, ignore_eos=True, logprobs=1), request_id="x")
-    new = engine.requests["x"]
+    new_id = "x"
+    if how == "abort":
+        # The abort's final output is still to come from step(): the id is not free until then (two
+        # finished outputs under one id, before); the new request takes the old row under another.
+        with pytest.raises(InvalidRequestError, match="request_id: 'x' is the id of a finished request"):
+            engine.add_request(prompts[1], greedy(N, ignore_eos=True, logprobs=1), request_id="x")
+        new_id = "y"
+    engine.add_request(prompts[1], greedy(N, ignore_eos=True, logprobs=1), request_id=new_id)
+    new = engine.requests[new_id]
     outs = []
     for _ in range(200):
         if not engine.has_unfinished_requests():
             break
-        outs += [o for o in engine.step() if o.request_id == "x" and not (o.finished and o.finish_reason == "abort")]
+        outs += [o for o in engine.step() if o.request_id == new_id]
         if not outs:
-            assert engine.runner.batch.row_of["x"] == old_row    # the new request took the old one's row
+            assert engine.runner.batch.row_of[new_id] == old_row    # the new request took the old one's row
     assert_drained(engine)
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids == ref[1]
@@ -455,4 +463,19 @@ def test_last_finish_settles_the_step_in_flight(how, dense_path):
     assert got == want
     assert engine.inflight is None and not engine.has_unfinished_requests()
     assert engine.step() == []
+    assert_drained(engine)
+
+
+def test_idle_after_an_abandoned_stream_has_no_unfinished_requests(dense_path):
+    """Found by probing: after an abandoned stream (async) has_unfinished_requests() said True on an
+    engine with no request left, until one more step(); the dead step is now settled when asked."""
+    llm = make_llm(dense_path, async_scheduling=True)
+    engine = llm.engine
+    stream = llm.stream(random_prompts([12], seed=37)[0], greedy(ignore_eos=True))
+    next(stream)
+    next(stream)
+    stream.close()
+    assert engine.inflight is not None and not engine.requests       # the case: a dead step in flight
+    assert engine.has_unfinished_requests() is False
+    assert engine.inflight is None
     assert_drained(engine)

@@ -486,6 +486,25 @@ def test_min_tokens_holds_stop_strings_back_too(llm):
     assert_drained(engine)
 
 
+def test_stop_string_ending_with_the_min_tokens_th_token_stops_there(llm):
+    """Found by probing: a stop string that began in the text before the min_tokens-th token and
+    ended in that token's text was missed (the text before was emitted, unsearched and not held
+    back), and the request ran to max_tokens. It counts, as in vLLM: the request stops at that
+    token, its text cut before the stop string."""
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    deltas = [out.new_text for out in llm.stream(_prompt(), free)]
+    # token k (1-based) whose text, with the last character of token k-1's, makes the stop string;
+    # none of the text from token k on holds it alone (so only the straddling match can stop it)
+    k = next(k for k in range(2, len(deltas)) if deltas[k - 2] and deltas[k - 1]
+             and deltas[k - 2][-1] + deltas[k - 1][0] not in "".join(deltas[k - 1:]))
+    stop = deltas[k - 2][-1] + deltas[k - 1][0]
+    out = llm.generate([_prompt()], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                                   min_tokens=k))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == k
+    assert out.text == "".join(deltas[:k - 1])[:-1]
+    assert_drained(llm.engine)
+
+
 def test_numpy_ids_and_numbers_are_taken_as_plain_ones(llm):
     """numpy integers (prompt ids, a 1-D id array or tensor, sampling fields) are integers: taken, as plain
     Python ints (they were refused as 'outside the vocabulary' / 'must be an integer')."""

@@ -143,6 +143,26 @@ def test_reset_prefix_cache_right_after_an_abort(engines):
     assert_drained(engine)
 
 
+def test_a_caller_id_whose_final_output_is_pending_is_refused(engines):
+    """Found by probing: an aborted request's id taken again before step() returned the abort's
+    output gave the caller two finished outputs under one id (the abort's first, taken for the new
+    request's end). Refused by name until then; free afterwards."""
+    llm = engines("tiny-qwen3")
+    engine = llm.engine
+    engine.add_request([5, 6, 7], greedy(), request_id="x")
+    engine.step()
+    engine.abort_request("x")
+    with pytest.raises(InvalidRequestError, match="request_id: 'x' is the id of a finished request whose final "
+                                                  "output step\\(\\) has not returned yet") as info:
+        engine.add_request([9, 9, 9], greedy(), request_id="x")
+    assert info.value.field == "request_id"
+    finals = drain(engine)
+    assert finals["x"].finish_reason == "abort"
+    engine.add_request([9, 9, 9], greedy(max_tokens=3), request_id="x")
+    assert drain(engine)["x"].finish_reason == "length"
+    assert_drained(engine)
+
+
 def test_preemption_with_prefix_cache_and_chunking_together(engines, hf_refs):
     """The three mechanisms at once, with a mixed batch of shared-prefix and unrelated prompts."""
     llm = engines("tiny-qwen3", num_kv_blocks=12, max_num_batched_tokens=12, block_size=4)
