@@ -183,6 +183,9 @@ def parse_modes(spec: str) -> list[tuple[str, dict]]:
         if mode not in MODES + ("auto",):
             raise SystemExit(f"--modes: {mode!r} is not a mode; allowed: {', '.join(MODES)}, auto")
         kw: dict = {"mode": mode}
+        if len(set(flags)) < len(flags) or {"async", "sync"} <= set(flags):
+            # the last of them won without a word (eager+sync+async ran async)
+            raise SystemExit(f"--modes: {name!r} repeats a suffix or gives both +async and +sync; give each once")
         for f in flags:
             if f == "async":
                 kw["async_scheduling"] = True
@@ -447,7 +450,28 @@ def json_path(value: str) -> str:
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file path")
     _refuse_a_file_on_the_way(value, path.parents)
+    _refuse_unwritable(value, path)
     return value
+
+
+def _refuse_unwritable(value: str, path: Path) -> None:
+    """A file the benchmark could not write (a read-only or virtual directory: --json /proc/x.json)
+    failed after the whole run, with a traceback. Where its directory exists, the file is opened for
+    appending, as the write would open it, and removed again if this made it; where it does not, the
+    nearest existing directory must be writable, for write_json to make the rest."""
+    if path.parent.is_dir():
+        existed = path.exists()
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{value!r} cannot be written: {e.strerror or e}") from None
+        if not existed:
+            path.unlink(missing_ok=True)
+        return
+    nearest = next((q for q in path.parents if q.exists()), None)
+    if nearest is not None and not os.access(nearest, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{value!r} cannot be written: {nearest} is not writable")
 
 
 def directory_path(value: str) -> str:

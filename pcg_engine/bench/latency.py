@@ -94,6 +94,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    if args.max_num_seqs is not None and 1 <= args.max_num_seqs < args.batch_size:   # (0: the engine names it)
+        # The batch would run in turns: the TTFT measured queueing, under the title "batch N".
+        raise SystemExit(f"--batch-size: {args.batch_size} requests at once, but --max-num-seqs {args.max_num_seqs} "
+                         "runs at most that many; lower --batch-size or raise --max-num-seqs")
     model = common.resolve_model(args.model, args.seed)
     common.refuse_too_long(args, model, args.input_len, args.output_len, "--input-len / --output-len")
     results = common.run_each_mode(args, model, run_mode, f"{args.warmup_iters} warm-up + {args.num_iters} iterations",

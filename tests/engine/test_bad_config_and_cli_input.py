@@ -567,6 +567,14 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
     (["overhead", "--host-profile", "p.prof"], "error: --host-profile: only with --host-only"),
     (["load-test", "--sweep-start", "2"], "error: --sweep-start: only with --sweep-rates"),
     (["startup", "--warm-repeats", "3"], "error: --warm-repeats: only with --warm-ab"),
+    # a traceback after the whole run, before
+    (["latency", "--json", "/proc/pcg_probe.json"], "--json: '/proc/pcg_probe.json' cannot be written"),
+    # the last suffix won without a word, before
+    (["latency", "--modes", "eager+sync+async"], "--modes: 'eager+sync+async' repeats a suffix or gives both"),
+    (["latency", "--modes", "eager+async+async"], "--modes: 'eager+async+async' repeats a suffix"),
+    # the requests ran in turns under the title "batch 3", before
+    (["latency", "--batch-size", "3", "--max-num-seqs", "1"], "error: --batch-size: 3 requests at once, but "
+     "--max-num-seqs 1 runs at most that many"),
     # "must be a number > 0, got inf", before
     (["load-test", "--burstiness", "inf"], "--burstiness must be a finite number > 0, got inf"),
     # the known configs in a new order each run, before
