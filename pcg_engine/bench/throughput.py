@@ -3,7 +3,7 @@
     pcg bench throughput --model qwen3-0.6b --modes eager,full_and_piecewise --json p2.json
 
 Defaults are P2's: 256 requests of random ids, input and output lengths uniform in [100, 1024], EOS
-ignored, seed 0, max_model_len 4096. --input-len/--output-len with --range-ratio replace the ranges.
+ignored, seed 0, max_model_len 4096 (or the checkpoint's positions where fewer). --input-len/--output-len with --range-ratio replace the ranges.
 """
 
 from __future__ import annotations
@@ -115,10 +115,12 @@ def run_mode(llm, args, name: str) -> dict:
     }
 
 
+P2_MAX_MODEL_LEN = 4096
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench throughput", description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
-    p.set_defaults(max_model_len=4096)
     common.add_process_per_mode_arg(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,full_and_piecewise")
     p.add_argument("--num-prompts", type=common.int_at_least(1), default=256)
@@ -161,6 +163,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = common.resolve_model(args.model, args.seed)
+    if args.max_model_len is None:
+        # P2's 4096, where the checkpoint holds that many positions: a fixed default was refused by a
+        # smaller checkpoint ("max_model_len: got 4096; allowed: 2..2048"), a value never given.
+        from pcg_engine.models.model_config import read_config
+        args.max_model_len = min(P2_MAX_MODEL_LEN, read_config(model).max_position_embeddings)
     longest = [common.length_bounds(fixed, args.range_ratio)[1] if fixed is not None else hi
                for fixed, hi in ((args.input_len, args.input_max), (args.output_len, args.output_max))]
     flags = ("--input-len" if args.input_len is not None else "--input-max") + " / " + \

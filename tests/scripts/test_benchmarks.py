@@ -342,7 +342,24 @@ def test_throughput(tmp_path):
 def test_throughput_p2_defaults():
     args = throughput.parse_args([])
     assert (args.num_prompts, args.input_min, args.input_max, args.output_min, args.output_max, args.seed,
-            args.max_model_len) == (256, 100, 1024, 100, 1024, 0, 4096)
+            args.max_model_len) == (256, 100, 1024, 100, 1024, 0, None)      # None: 4096, set by main()
+    assert throughput.P2_MAX_MODEL_LEN == 4096
+
+
+def test_throughput_default_max_model_len_fits_a_smaller_checkpoint(tmp_path):
+    """Found by probing: P2's max_model_len 4096, a fixed default, was refused by a checkpoint of 2048
+    positions ("max_model_len: got 4096; allowed: 2..2048"), a value the user never gave."""
+    import shutil
+    small = tmp_path / "small"
+    shutil.copytree(common.resolve_model("tiny-qwen3"), small)
+    config = json.loads((small / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (small / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "tp.json"
+    assert throughput.main(["--model", str(small), "--device", "cpu", "--modes", "eager", "--num-prompts", "2",
+                            "--input-len", "8", "--output-len", "2", "--warmup-prompts", "0",
+                            "--json", str(out)]) == 0
+    assert read(out)["config"]["max_model_len"] == 2048
 
 
 def test_latency(tmp_path):
