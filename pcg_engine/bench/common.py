@@ -353,9 +353,11 @@ def env_record(model: str | None, device: str = "auto") -> dict:
 
 # ---- numbers -------------------------------------------------------------------------------------
 def percentiles(values, scale: float = 1.0) -> dict:
-    """{mean, median, p90, p99} of values * scale (linear interpolation); zeros when empty."""
+    """{mean, median, p90, p99} of values * scale (linear interpolation); None each when empty (no
+    sample: zeros read as a perfect result, e.g. the TPOT of 1-token outputs, the TTFT of a run
+    where every request timed out)."""
     if len(values) == 0:
-        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": None, "median": None, "p90": None, "p99": None}
     a = np.asarray(values, dtype=np.float64) * scale
     return {"mean": float(a.mean()), "median": float(np.median(a)),
             "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}

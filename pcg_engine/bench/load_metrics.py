@@ -111,5 +111,6 @@ def table_rows(results: dict[str, dict]) -> tuple[list[str], list[list]]:
             for key in ("completed", "failed", "duration_s", "request_throughput", "output_throughput", "goodput")]
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         for stat in ("mean", "median", "p90", "p99"):
-            rows.append([f"{metric[:-3]} {stat} (ms)"] + [results[n][metric][stat] for n in names])
+            rows.append([f"{metric[:-3]} {stat} (ms)"] + ["n/a" if results[n][metric][stat] is None
+                                                          else results[n][metric][stat] for n in names])
     return ["metric"] + names, rows

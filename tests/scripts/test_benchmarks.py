@@ -59,7 +59,8 @@ def test_percentiles_and_length_bounds():
     p = common.percentiles(list(range(1, 101)))
     assert p["mean"] == pytest.approx(50.5) and p["median"] == pytest.approx(50.5)
     assert p["p90"] == pytest.approx(90.1) and p["p99"] == pytest.approx(99.01)
-    assert common.percentiles([]) == {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    # no sample is no figure (zeros read as a perfect result: the TPOT of 1-token outputs)
+    assert common.percentiles([]) == {"mean": None, "median": None, "p90": None, "p99": None}
     assert common.length_bounds(100, 0.5) == (50, 150)
     assert common.length_bounds(10, 0.0) == (10, 10)
 
@@ -337,6 +338,19 @@ def test_throughput(tmp_path):
     assert sum(p["steps"] for p in phases.values()) == data["steps"]
     assert phases["prefill (until every prompt is in)"]["steps"] >= 1
     assert sum(p["s"] for p in phases.values()) <= data["elapsed_s"]
+
+
+def test_load_test_without_tpot_samples_says_so(tmp_path):
+    """Found by probing: 1-token outputs have no TPOT, and the table and JSON showed 0.000 ms (a
+    perfect result); now null in the JSON and n/a in the table."""
+    out = tmp_path / "lt.json"
+    load_test.main(["--model", "tiny-qwen3", "--device", "cpu", "--modes", "eager", "--num-prompts", "2",
+                    "--input-len", "4", "--output-len", "1", "--warmup", "0", "--no-progress", "--json", str(out)])
+    data = read(out)
+    assert data["completed"] == 2 and data["ttft_ms"]["median"] > 0
+    assert data["tpot_ms"] == {"mean": None, "median": None, "p90": None, "p99": None}
+    row = next(r for r in load_test.table_rows({"eager": data})[1] if r[0] == "tpot median (ms)")
+    assert row == ["tpot median (ms)", "n/a"]
 
 
 def test_throughput_p2_defaults():
