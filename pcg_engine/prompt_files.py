@@ -13,11 +13,19 @@ import sys
 from pcg_engine.models.json_file import refuse_repeats, RepeatedKey, beyond_json_limits
 
 
+# Standard input's bytes once read ("-"): a benchmark that runs each mode in a fresh process hands
+# them to the children, whose own "-" found an empty stdin ("--dataset: - holds no request").
+stdin_bytes: bytes | None = None
+
+
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
     """(line number from 1, line) of the file's non-blank lines; path "-" reads standard input."""
+    global stdin_bytes
     try:
         if path == "-":
-            data = sys.stdin.buffer.read()
+            if stdin_bytes is None:
+                stdin_bytes = sys.stdin.buffer.read()
+            data = stdin_bytes
         else:
             with open(path, "rb") as f:
                 data = f.read()

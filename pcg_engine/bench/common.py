@@ -276,7 +276,8 @@ def run_each_mode(args, model: str, run_mode, describe: str | None, module: str 
                 # argparse keeps the last of a repeated flag: these override the user's
                 cmd = [sys.executable, "-m", module, *argv, "--model", model, "--modes", name,
                        "--process-per-mode", "off", "--mode-result", str(out)]
-                rc = subprocess.run(cmd).returncode
+                from pcg_engine import prompt_files   # what this process read of stdin ("-"), again
+                rc = subprocess.run(cmd, input=prompt_files.stdin_bytes).returncode
                 if rc != 0 or not out.exists():
                     raise SystemExit(f"mode {name}: its process exited with status {rc} and no result")
                 results[name] = json.loads(out.read_text(encoding="utf-8"))

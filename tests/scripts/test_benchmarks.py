@@ -353,6 +353,24 @@ def test_load_test_without_tpot_samples_says_so(tmp_path):
     assert row == ["tpot median (ms)", "n/a"]
 
 
+def test_load_test_dataset_from_stdin_with_a_process_per_mode(tmp_path):
+    """Found by probing: `--dataset -` with a process per mode (CUDA's default for several modes)
+    failed: each child read an empty stdin ("--dataset: - holds no request"). The parent hands the
+    children what it read."""
+    import subprocess
+    out = tmp_path / "lt.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "pcg_engine.cli", "bench", "load-test", "--model", "tiny-qwen3",
+                           "--device", "cpu", "--dataset", "-", "--modes", "eager,eager+async", "--process-per-mode",
+                           "on", "--output-len", "2", "--warmup", "0", "--no-progress", "--json", str(out)],
+                          input='{"prompt": [5, 6, 7]}\n{"prompt": [8, 9]}\n', text=True, capture_output=True,
+                          env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = read(out)
+    assert {name: r["completed"] for name, r in data["modes"].items()} == {"eager": 2, "eager+async": 2}
+    assert len({r["pid"] for r in data["modes"].values()}) == 2        # two processes did run
+
+
 def test_throughput_p2_defaults():
     args = throughput.parse_args([])
     assert (args.num_prompts, args.input_min, args.input_max, args.output_min, args.output_max, args.seed,
