@@ -14,9 +14,15 @@ from __future__ import annotations
 import numpy as np
 
 from pcg_engine.bench import common
-from pcg_engine.prompt_files import parse_json, read_lines, sampling_field
+from pcg_engine.prompt_files import misspelt_field, parse_json, read_lines, sampling_field
 
 DEFAULT_NUM_PROMPTS = 500      # random prompts; a dataset's default is all of its lines
+
+
+DATASET_KEYS = ("prompt", "output_len")
+# Other tools' names for a dataset line's output length.
+OUTPUT_LEN_SPELLINGS = {"output_length", "output_tokens", "num_output_tokens", "max_output_len", "max_output_tokens",
+                        "output_len_tokens", "max_new_tokens", "max_completion_tokens"}
 
 
 def read_dataset(path: str) -> list[tuple[int, str | list[int], int | None]]:
@@ -45,6 +51,13 @@ def read_dataset(path: str) -> list[tuple[int, str | list[int], int | None]]:
         if own is not None:
             raise SystemExit(f"--dataset: line {number}: {own!r} is not read from a dataset line; a line gives "
                              f"\"prompt\" and \"output_len\" (the output length in tokens)")
+        # Another spelling of the output length ("max_new_tokens", "output_length", "Output_len") was
+        # ignored like any unknown key: the request ran at --output-len.
+        for key in obj:
+            if key not in DATASET_KEYS and (key.lower().replace("-", "_") in OUTPUT_LEN_SPELLINGS
+                                            or misspelt_field(key, DATASET_KEYS)):
+                raise SystemExit(f"--dataset: line {number}: {key!r} is not read from a dataset line; a line gives "
+                                 f"\"prompt\" and \"output_len\" (the output length in tokens)")
         out = obj.get("output_len")
         if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 1):
             raise SystemExit(f"--dataset: line {number}: \"output_len\" must be an integer >= 1, got {out!r}")

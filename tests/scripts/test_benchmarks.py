@@ -226,6 +226,11 @@ def test_load_test_dataset_runs_start_from_a_cold_prefix_cache(tmp_path):
     # found by probing: dropped without a word, the request ran with the default output length
     (b'{"prompt": "a", "max_tokens": 5}\n', 'line 1: \'max_tokens\' is not read from a dataset line; a line gives '
                                             '"prompt" and "output_len"'),
+    # found by probing: other tools' names and misspellings of output_len, ignored: the run used --output-len
+    (b'{"prompt": "a", "max_new_tokens": 5}\n', "line 1: 'max_new_tokens' is not read from a dataset line"),
+    (b'{"prompt": "a", "output_length": 5}\n', "line 1: 'output_length' is not read from a dataset line"),
+    (b'{"prompt": "a", "Output_len": 5}\n', "line 1: 'Output_len' is not read from a dataset line"),
+    (b'{"prompt": "a", "outputlen": 5}\n', "line 1: 'outputlen' is not read from a dataset line"),
     (b"\n\n", "holds no request"),
     (b"\xff\xfe", "is not UTF-8 text"),
     # found by probing: a lone surrogate escape reached the tokenizer, a TypeError traceback
