@@ -244,14 +244,14 @@ def _fresh_processes(args, n_modes: int) -> bool:
     return torch.cuda.is_available()
 
 
-def run_each_mode(args, model: str, run_mode, describe: str | None, module: str | None = None,
+def run_each_mode(args, model: str, run_mode, describe: str | None, bench: str | None = None,
                   argv: list[str] | None = None) -> dict | None:
     """Build an engine per mode of `--modes`, run `run_mode(llm, args, name)` on it (name: the
     --modes entry), free it; name -> result. `describe` is the spinner's text while it runs (None:
     run_mode shows its own progress, and rich allows one live display at a time).
 
     Modes run one after another, in this process or (--process-per-mode) each in a fresh one that
-    runs `python -m module argv --modes <that mode>` and hands its result back as JSON: then no
+    runs `pcg bench <bench> argv --modes <that mode>` and hands its result back as JSON: then no
     engine runs after another in the same process. A child run (--mode-result) writes its one
     result to that file and returns None."""
     from rich.console import Console
@@ -267,15 +267,17 @@ def run_each_mode(args, model: str, run_mode, describe: str | None, module: str 
     if _fresh_processes(args, len(modes)):
         import sys
         import tempfile
-        if module is None or argv is None:
-            raise ValueError("run_each_mode: a process per mode needs the module and its argv")
+        if bench is None or argv is None:
+            raise ValueError("run_each_mode: a process per mode needs the benchmark's name and its argv")
         with tempfile.TemporaryDirectory(prefix="pcg-modes-") as tmp:
             for i, (name, _) in enumerate(modes):
                 out = Path(tmp) / f"mode{i}.json"
                 console.print(f"[bold]mode {name}[/bold]: in a fresh process")
                 # argparse keeps the last of a repeated flag: these override the user's
-                cmd = [sys.executable, "-m", module, *argv, "--model", model, "--modes", name,
-                       "--process-per-mode", "off", "--mode-result", str(out)]
+                # Through the CLI, as the user's own command: a refusal in the child is one "error:"
+                # line and exit 2 (run as `python -m <module>`, it was a bare line or a traceback).
+                cmd = [sys.executable, "-m", "pcg_engine.cli", "bench", bench, *argv, "--model", model,
+                       "--modes", name, "--process-per-mode", "off", "--mode-result", str(out)]
                 from pcg_engine import prompt_files   # what this process read of stdin ("-"), again
                 rc = subprocess.run(cmd, input=prompt_files.stdin_bytes).returncode
                 if rc != 0 or not out.exists():

@@ -52,6 +52,7 @@ class EngineLoop(threading.Thread):
         self.failed = 0
         self.error: BaseException | None = None
         self.last_token_time = 0.0
+        self.stop_time: float | None = None   # when stop() was first called
         self._closed = threading.Event()
         self._stop_requested = threading.Event()
 
@@ -69,6 +70,8 @@ class EngineLoop(threading.Thread):
 
     def stop(self) -> None:
         """Give up (time limit): unfinished requests are aborted and counted as failed."""
+        if self.stop_time is None:
+            self.stop_time = time.monotonic()
         self._stop_requested.set()
         self._closed.set()
 
@@ -162,6 +165,8 @@ class EngineLoop(threading.Thread):
         """Mark every unfinished or never-admitted request failed (after a stop or a crash)."""
         for rec in self.records.values():
             if not rec.finished:
+                # the tokens it streamed before the stop (its row read output_len 0 beside a TTFT)
+                rec.num_output_tokens = len(rec.token_times)
                 self._finish(rec, "error", why)
         while True:
             try:

@@ -67,7 +67,9 @@ def run_mode(llm, args, name: str) -> dict:
     tpot = common.percentiles([r["tpot_ms"] for r in rows])
     return {"ttft_ms": common.percentiles([r["ttft_ms"] for r in rows]), "tpot_ms": tpot,
             "e2el_ms": common.percentiles([r["e2el_ms"] for r in rows]),
-            "decode_tok_s_per_request": 1000 / tpot["mean"] if tpot["mean"] else 0.0,
+            # from the median TPOT, the figure the table prints beside it (the mean's gave a
+            # tok/s that did not match the TPOT next to it)
+            "decode_tok_s_per_request": 1000 / tpot["median"] if tpot["median"] else 0.0,
             "output_lens": sorted({r["output_len"] for r in rows}),
             "host_ms_per_step": 1000 * stats.host_s / max(stats.steps, 1), "steps": stats.steps,
             "engine_mode": llm.engine.runner.mode, "async_scheduling": llm.engine.async_scheduling,
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     model = common.resolve_model(args.model, args.seed)
     common.refuse_too_long(args, model, args.input_len, args.output_len, "--input-len / --output-len")
     results = common.run_each_mode(args, model, run_mode, f"{args.warmup_iters} warm-up + {args.num_iters} iterations",
-                                    module="pcg_engine.bench.latency", argv=sys.argv[1:] if argv is None else argv)
+                                    bench="latency", argv=sys.argv[1:] if argv is None else argv)
     if results is None:   # a child of --process-per-mode: its result is written
         return 0
     base = next(iter(results.values()))

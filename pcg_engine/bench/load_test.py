@@ -98,6 +98,10 @@ def run_once(llm, dataset, args, rate: float, slos: dict, label: str, progress=N
                               error="never sent: the run stopped first")
                 for i, (ids, p) in enumerate(requests[loop.submitted:], loop.submitted)]
     end = max([loop.last_token_time] + [r.token_times[-1] for r in records if r.token_times])
+    # A run stopped by --timeout lasted until the stop, not until its last token: requests still
+    # waiting for a first token then made the run look shorter and its throughput higher.
+    if loop.stop_time is not None:
+        end = max(end, loop.stop_time)
     return summarize(records, started["t"], end, slos)
 
 
@@ -252,7 +256,9 @@ def check_args(args) -> None:
             if value:
                 raise SystemExit(f"pcg bench load-test: {flag} shapes the random prompts; with --dataset the "
                                  f"file gives the prompts and output lengths: leave out {flag} (got {value:g})")
-    if args.input_len is None:   # (a default of 1024 could not tell a given --input-len from none)
+    # (a default of 1024 could not tell a given --input-len from none; with --dataset it stays None,
+    # so the JSON's config does not record a prompt length no request had)
+    if args.input_len is None and args.dataset is None:
         args.input_len = DEFAULT_INPUT_LEN
 
 
@@ -263,7 +269,9 @@ def run_mode(llm, args, name: str, prepared=None, slos=None) -> dict:
     dataset = build_dataset(args, llm, args.num_prompts, args.seed, prepared)
     if args.warmup:
         warm = build_dataset(args, llm, args.warmup, args.seed + 1000, prepared)
-        llm.generate([ids for ids, _ in warm], common.bench_params(min(warm[0][1], 16), args.temperature))
+        # (with the run's --detokenize: the first detokenizing requests paid the tokenizer's warm-up)
+        llm.generate([ids for ids, _ in warm],
+                     common.bench_params(min(warm[0][1], 16), args.temperature, args.detokenize))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=Console(stderr=True), disable=args.no_progress) as progress:
         probe_before = cpu_probe.probe()
@@ -289,7 +297,7 @@ def main(argv=None) -> int:
     model = common.resolve_model(args.model, args.seed)
     prepared = prepare(args, model, entries)    # every request checked before an engine is built
     results = common.run_each_mode(args, model, functools.partial(run_mode, prepared=prepared, slos=slos), None,
-                                   module="pcg_engine.bench.load_test", argv=sys.argv[1:] if argv is None else argv)
+                                   bench="load-test", argv=sys.argv[1:] if argv is None else argv)
     if results is None:   # a child of --process-per-mode: its result is written
         return 0
     sweeps = {name: r.pop("sweep") for name, r in results.items() if "sweep" in r}

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
             ("--output-len" if args.output_len is not None else "--output-max")
     common.refuse_too_long(args, model, *longest, flags + (" / --range-ratio" if args.range_ratio else ""))
     results = common.run_each_mode(args, model, run_mode, f"{args.num_prompts} requests",
-                                    module="pcg_engine.bench.throughput", argv=sys.argv[1:] if argv is None else argv)
+                                    bench="throughput", argv=sys.argv[1:] if argv is None else argv)
     if results is None:   # a child of --process-per-mode: its result is written
         return 0
     base = next(iter(results.values()))["output_throughput"]

@@ -402,9 +402,11 @@ def test_throughput_default_max_model_len_fits_a_smaller_checkpoint(tmp_path):
 def test_latency(tmp_path):
     out = tmp_path / "lat.json"
     assert latency.main(["--device", "cpu", "--modes", "eager", "--input-len", "12", "--output-len", "5",
-                         "--num-iters", "2", "--warmup-iters", "1", "--json", str(out)]) == 0
+                         "--num-iters", "3", "--warmup-iters", "1", "--json", str(out)]) == 0
     data = read(out)
-    assert data["output_lens"] == [5] and len(data["iterations"]) == 2
+    assert data["output_lens"] == [5] and len(data["iterations"]) == 3
+    # the table's tok/s column stands beside the median TPOT (it came from the mean)
+    assert data["decode_tok_s_per_request"] == pytest.approx(1000 / data["tpot_ms"]["median"])
     for it in data["iterations"]:
         assert 0 < it["ttft_ms"] <= it["e2el_ms"] and it["tpot_ms"] > 0
         assert it["cpu_probe_python_us"] > 0           # the probe taken just before the iteration
@@ -453,11 +455,24 @@ def test_latency_in_one_process_by_default_on_cpu(tmp_path):
     assert {m["pid"] for m in read(out)["modes"].values()} == {os.getpid()}
 
 
-def test_process_per_mode_names_the_mode_whose_process_failed():
-    # a child that dies (here: a module that does not exist) stops the run with the mode named
+def test_process_per_mode_names_the_mode_whose_process_failed(capfd):
+    # a child that dies (here: a benchmark that does not exist) stops the run with the mode named
     args = latency.make_parser().parse_args(["--device", "cpu", "--modes", "eager,compile", "--process-per-mode", "on"])
-    with pytest.raises(SystemExit, match="mode eager: its process exited with status 1"):
-        common.run_each_mode(args, "unused", latency.run_mode, "", module="pcg_engine.bench.no_such_module", argv=[])
+    with pytest.raises(SystemExit, match="mode eager: its process exited with status 2"):
+        common.run_each_mode(args, "unused", latency.run_mode, "", bench="no-such-benchmark", argv=[])
+    assert "error: pcg bench: unknown benchmark 'no-such-benchmark'" in capfd.readouterr().err
+
+
+def test_process_per_mode_child_refuses_in_one_error_line(capfd):
+    """Found by probing: a child that refused a setting (one the parent had not checked: here the
+    parent's own flags are fine and only the child's carry the bad one) printed a bare line or a
+    traceback and exited 1; it runs through the CLI now, as the user's command would."""
+    args = latency.make_parser().parse_args(["--device", "cpu", "--modes", "eager", "--process-per-mode", "on"])
+    with pytest.raises(SystemExit, match="mode eager: its process exited with status 2"):
+        common.run_each_mode(args, "tiny-qwen3", latency.run_mode, "", bench="latency",
+                             argv=["--device", "cpu", "--max-num-seqs", "0", "--num-iters", "1"])
+    err = capfd.readouterr().err
+    assert "error: --max-num-seqs (max_num_seqs): got 0; allowed: 1..4096" in err and "Traceback" not in err
 
 
 def test_cpu_probe_times_its_work():
@@ -623,6 +638,31 @@ def test_load_test_time_limit_fails_the_rest_and_leaves_the_engine_idle(tmp_path
                          "--json", str(out)])
     data = read(out)
     assert rc == 1 and data["failed"] >= 1 and data["completed"] + data["failed"] == 4
+    # Found by probing: the run lasted until its stop, not its last token (duration ended there), and
+    # a request stopped after its first tokens counts them (its row read output_len 0 beside a TTFT).
+    assert data["duration_s"] >= 0.3
+    for row in data["requests"]:
+        assert (row["output_len"] > 0) == (row["ttft_ms"] is not None), row
+
+
+def test_load_test_dataset_records_no_input_len_and_warms_up_as_it_measures(tmp_path, monkeypatch):
+    """Found by probing: with --dataset the JSON's config recorded input_len 1024 (no request had
+    it), and the warm-up ran without --detokenize, so the measured run paid the tokenizer's warm-up."""
+    from pcg_engine.llm import LLM
+    seen = []
+    generate = LLM.generate
+
+    def spy(self, prompts, params=None, *a, **k):
+        seen.append(params.detokenize)
+        return generate(self, prompts, params, *a, **k)
+    monkeypatch.setattr(LLM, "generate", spy)
+    data_file = tmp_path / "d.jsonl"
+    data_file.write_text('{"prompt": [1, 2, 3], "output_len": 2}\n' * 2)
+    out = tmp_path / "load.json"
+    rc = load_test.main(["--device", "cpu", "--modes", "eager", "--dataset", str(data_file), "--warmup", "1",
+                         "--detokenize", "--no-progress", "--json", str(out)])
+    data = read(out)
+    assert rc == 0 and data["config"]["input_len"] is None and seen == [True]
 
 
 def test_load_test_time_limit_between_slow_arrivals(tmp_path, capsys):
