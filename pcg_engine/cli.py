@@ -157,7 +157,9 @@ def _name_the_flag(error: Exception, has_flag) -> str:
     text = str(error)
     if field and has_flag(field) and text.startswith(f"{field}: "):
         flag = FLAG_NAMES.get(field, f"--{field.replace('_', '-')}")
-        return f"{flag} ({field}): {text[len(field) + 2:]}"
+        # "None" is the API's "leave it to the engine"; a flag is left out for that, not typed
+        rest = text[len(field) + 2:].replace("allowed: None or ", "allowed: ")
+        return f"{flag} ({field}): {rest}"
     return text
 
 
@@ -272,8 +274,16 @@ def cmd_generate(args) -> int:
                 raise SystemExit(f"--chat: the tokenizer of {llm.engine.model_path} has no chat template "
                                  "(chat_template.jinja, or chat_template in tokenizer_config.json); "
                                  "leave out --chat to send the prompts as they are")
-            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                         add_generation_prompt=True) for p in prompts]
+            chats = []
+            for source, p in zip(sources, prompts):
+                try:
+                    chats.append(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                                   tokenize=False, add_generation_prompt=True))
+                except Exception as e:   # the checkpoint's own template code: a jinja2 syntax error,
+                    # or its raise_exception() refusing the messages, ended in a traceback
+                    raise SystemExit(f"--chat: {source}: the chat template of {llm.engine.model_path} failed: "
+                                     f"{type(e).__name__}: {e}") from None
+            prompts = chats
         # The tokenizer loads on first use (~0.7 s on the dev VM): before the clock starts where this
         # run uses it (text prompts, outputs to detokenize), so the summary's rates and TTFT time
         # generation alone, whichever comes first to need it.

@@ -48,9 +48,10 @@ def weight_files(path: Path) -> list[Path]:
                                   f"{json.dumps(weight_map)[:80]}")
         files = sorted({path / f for f in weight_map.values()})
         for f in files:
-            # A shard outside the checkpoint ("../x", an absolute path) is not this checkpoint's.
+            # A shard outside the checkpoint ("../x", an absolute path) is not this checkpoint's; one in
+            # a folder of it is (transformers loads it; it was refused as "outside").
             # Lexically, not resolved: a hub cache's snapshot holds symlinks into its blobs.
-            if Path(os.path.normpath(f)).parent != Path(os.path.normpath(path)):
+            if not Path(os.path.normpath(f)).is_relative_to(Path(os.path.normpath(path))):
                 raise CheckpointError(f"{index}: weight file {f.name!r} ({f}) is outside the checkpoint directory")
             if not f.is_file():
                 raise CheckpointError(f"{f}: listed in {index.name} but missing")
@@ -255,7 +256,7 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
                 resolved = targets.resolve(entry.name, file)
             except KeyError:
                 raise CheckpointError(f"{file}: unexpected tensor {entry.name!r} (not part of "
-                                      f"{type(model).__name__} for this config)") from None
+                                      f"{config.architecture} for this config)") from None
             if resolved is None:
                 if entry.name != "lm_head.weight":
                     continue
@@ -281,6 +282,13 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
         for _, _, name in plan:
             if name is not None:
                 targets.mark(name)
+    if stored_head is not None and "model.embed_tokens.weight" not in stored_in:
+        # A tied model saved under the head's name alone (safetensors' save_model keeps the first
+        # name of a shared tensor, here lm_head.weight): that tensor is the embedding, as
+        # transformers reads it. It was refused as missing model.embed_tokens.weight.
+        model.model.embed_tokens.weight.data.copy_(stored_head)
+        targets.mark("model.embed_tokens.weight")
+        stored_head = None
     missing = targets.missing()
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

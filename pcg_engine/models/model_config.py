@@ -133,16 +133,26 @@ def _rope_theta(raw: dict, where: str) -> float:
         if kind not in (None, "default"):
             raise CheckpointError(f"{where}: field {key!r} asks for rope_type {kind!r}; pcg-engine implements "
                                   "only the default RoPE (rope_type 'default' or no scaling)")
+    # transformers 5 reads rope_scaling, when it is given (non-empty), in place of rope_parameters
+    # (convert_rope_params_to_dict): the theta is that dict's, else the top level's, else 10000. A
+    # theta inside rope_scaling was ignored here, and the model rotated by 10000 where transformers'
+    # own rotated by the checkpoint's value: other tokens, without a word.
+    used, unused = ("rope_scaling", "rope_parameters") if raw.get("rope_scaling") else ("rope_parameters", "rope_scaling")
     thetas = {k: v for k, v in (("rope_theta", raw.get("rope_theta")),
-                                ("rope_parameters.rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta")))
+                                (f"{used}.rope_theta", (raw.get(used) or {}).get("rope_theta")))
               if v is not None}
     for key, value in thetas.items():
         if not _positive_number(value):
             raise CheckpointError(f"{where}: field {key!r} is {value!r}; allowed: a finite number > 0")
     if len(set(thetas.values())) > 1:
-        raise CheckpointError(f"{where}: fields 'rope_theta' and 'rope_parameters.rope_theta' disagree "
-                              f"({thetas['rope_theta']!r}, {thetas['rope_parameters.rope_theta']!r})")
-    return float(next(iter(thetas.values()), 10000.0))
+        raise CheckpointError(f"{where}: fields {' and '.join(map(repr, thetas))} disagree "
+                              f"({', '.join(repr(v) for v in thetas.values())})")
+    theta = float(next(iter(thetas.values()), 10000.0))
+    ignored = (raw.get(unused) or {}).get("rope_theta")
+    if ignored is not None and ignored != theta:
+        raise CheckpointError(f"{where}: field '{unused}.rope_theta' is {ignored!r}, but transformers reads "
+                              f"'{used}' in its place, which gives rope_theta {theta!r}; keep one of the two fields")
+    return theta
 
 
 # The MLPs compute silu(gate) * up (layers.silu_and_mul, its Triton kernel and the fused MoE);

@@ -68,7 +68,7 @@ def test_blank_compile_cache_dir_is_refused(capsys, value):
         EngineConfig(compile_cache_dir=value)
     assert cli.main(["generate", "--device", "cpu", "--prompt", "hi", "--compile-cache-dir", value]) == 2
     assert capsys.readouterr().err.strip() == (f"error: --compile-cache-dir (compile_cache_dir): got {value!r}; "
-                                               "allowed: None or a directory path (not blank)")
+                                               "allowed: a directory path (not blank)")
 
 
 def test_kernels_without_fuse_is_refused():
@@ -488,6 +488,29 @@ def test_chat_without_a_chat_template_names_the_flag(tiny_paths, tmp_path, capsy
                        "chat_template in tokenizer_config.json); leave out --chat to send the prompts as they are")
 
 
+@pytest.mark.parametrize("template, error", [
+    ("{{ raise_exception('only system and user roles') }}", "TemplateError: only system and user roles"),
+    ("{% if %}", "TemplateSyntaxError: "),
+])
+def test_chat_template_that_fails_names_the_flag(tiny_paths, tmp_path, capsys, template, error):
+    """Found by probing: a checkpoint's chat template that refuses the messages (raise_exception, as
+    real templates do) or does not parse ended `pcg generate --chat` in a jinja2 traceback, exit 1."""
+    import json
+    import os
+    from pcg_engine import cli
+    for f in tiny_paths["tiny-qwen3"].iterdir():
+        if f.name == "tokenizer_config.json":
+            config = json.loads(f.read_text())
+            config["chat_template"] = template
+            (tmp_path / f.name).write_text(json.dumps(config))
+        elif f.name != "chat_template.jinja":
+            os.symlink(f, tmp_path / f.name)
+    assert cli.main(["generate", "--model", str(tmp_path), "--device", "cpu", "--chat", "--prompt", "hi",
+                     "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --chat: --prompt: the chat template of {tmp_path} failed: {error}"), err[-1]
+
+
 def test_cli_refusals_raised_as_system_exit_are_one_error_line(tmp_path, capsys):
     """--prompts-file problems (and the other SystemExit("...") refusals) exit 2 with 'error:', like
     argparse's and the engine's (they exited 1 with the bare message)."""
@@ -633,6 +656,18 @@ def test_generate_names_flags_not_api_fields_for_a_long_prompt(capsys, flags, st
     assert cli.main(["generate", "--device", "cpu", "--max-model-len", "64", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith(start) and err.endswith(end) and "prompt_token_ids" not in err, err
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--max-model-len", "1"], "error: --max-model-len (max_model_len): got 1; allowed: an int >= 2\n"),
+    (["--num-kv-blocks", "0"], "error: --num-kv-blocks (num_kv_blocks): got 0; allowed: an int >= 2\n"),
+])
+def test_flag_error_offers_no_none(capsys, flags, line):
+    """Found by probing: "allowed: None or an int >= 2": None is the API's value for "the engine
+    decides"; on the command line that is leaving the flag out."""
+    from pcg_engine import cli
+    assert cli.main(["generate", "--device", "cpu", "--prompt", "hi", *flags]) == 2
+    assert capsys.readouterr().err == line
 
 
 def test_bench_without_a_name_lists_the_benchmarks(capsys):

@@ -595,6 +595,21 @@ def test_tied_lm_head_that_differs_from_the_embedding_is_refused(ckpt_copy):
     assert not hasattr(model, "lm_head") and model.lm_head_weight is model.model.embed_tokens.weight
 
 
+def test_tied_model_stored_under_the_head_name_alone_loads(ckpt_copy):
+    """Found by probing: safetensors' save_model keeps a shared tensor under its first name, so a
+    tied Qwen3 saved that way holds lm_head.weight and no model.embed_tokens.weight. transformers
+    loads it; the loader refused it ("missing tensors model.embed_tokens.weight")."""
+    assert json.loads((ckpt_copy / "config.json").read_text())["tie_word_embeddings"]
+    expected = load_model(ckpt_copy, device="cpu", dtype=torch.float32).model.embed_tokens.weight.clone()
+
+    def head_only(t):
+        t["lm_head.weight"] = t.pop("model.embed_tokens.weight")
+    rewrite_weights(ckpt_copy, head_only)
+    model = load_model(ckpt_copy, device="cpu", dtype=torch.float32)
+    assert torch.equal(model.model.embed_tokens.weight, expected)
+    assert model.lm_head_weight is model.model.embed_tokens.weight
+
+
 @pytest.mark.parametrize("edit", [{"vocab_size": 10**13}, {"intermediate_size": 10**12},
                                   {"num_hidden_layers": 10**9, "layer_types": None}])
 def test_config_far_larger_than_the_weights_is_refused_before_building(ckpt_copy, edit):
@@ -665,6 +680,7 @@ def test_sharded_index_names_missing_shard(ckpt_copy):
     ({K: 5}, "weight_map must map tensor names to file names"),
     ({K: "../elsewhere/model.safetensors"}, "is outside the checkpoint directory"),
     ({K: "/etc/model.safetensors"}, "is outside the checkpoint directory"),
+    ({K: "w/../../elsewhere/model.safetensors"}, "is outside the checkpoint directory"),
 ])
 def test_sharded_index_of_the_wrong_form_or_outside_is_named(ckpt_copy, weight_map, expected):
     """Found by probing: a list weight_map raised an AttributeError; a shard path leaving the
@@ -672,6 +688,33 @@ def test_sharded_index_of_the_wrong_form_or_outside_is_named(ckpt_copy, weight_m
     (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     msg = load_error(ckpt_copy)
     assert "model.safetensors.index.json" in msg and expected in msg
+
+
+def test_sharded_index_with_shards_in_a_folder_loads(ckpt_copy):
+    """Found by probing: shards in a folder of the checkpoint ("w/model-00001-of-00002.safetensors"),
+    which transformers loads, were refused as "outside the checkpoint directory"."""
+    from safetensors.torch import load_file
+    expected = load_model(ckpt_copy, device="cpu", dtype=torch.float32).state_dict()
+    names = list(load_file(str(ckpt_copy / "model.safetensors")))
+    (ckpt_copy / "w").mkdir()
+    (ckpt_copy / "model.safetensors").rename(ckpt_copy / "w" / "model.safetensors")
+    (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "w/model.safetensors"
+                                                                                        for n in names}}))
+    got = load_model(ckpt_copy, device="cpu", dtype=torch.float32).state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_unexpected_tensor_names_the_checkpoint_architecture(checkpoints, tmp_path):
+    """Found by probing: a Qwen3-MoE checkpoint's stray tensor was "not part of Qwen3ForCausalLM"
+    (the class that serves both), naming an architecture the checkpoint is not."""
+    moe = tmp_path / "moe"
+    shutil.copytree(checkpoints["tiny-qwen3-moe"], moe)
+
+    def stray(t):
+        t["model.layers.0.mlp.shared_expert.gate_proj.weight"] = torch.zeros(4, 4)
+    file = rewrite_weights(moe, stray)
+    assert load_error(moe) == (f"{file}: unexpected tensor 'model.layers.0.mlp.shared_expert.gate_proj."
+                                         "weight' (not part of Qwen3MoeForCausalLM for this config)")
 
 
 def test_sharded_index_through_symlinks_loads(ckpt_copy, tmp_path):

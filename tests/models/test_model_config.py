@@ -45,6 +45,37 @@ def test_reads_what_transformers_reads(name, tmp_path, without_head_dim):
     json.loads(ours.to_json_string())                            # the compile cache's key material
 
 
+@pytest.mark.parametrize("edit", [
+    {"rope_scaling": {"rope_type": "default", "rope_theta": 1e6}},       # theta only inside rope_scaling
+    {"rope_scaling": {"rope_type": "default"}},                           # neither: 10000
+    {"rope_theta": 5e5, "rope_scaling": {"rope_type": "default"}},        # the top level's
+    {"rope_scaling": {}, "rope_parameters": {"rope_type": "default", "rope_theta": 3e5}},   # {}: not given
+])
+def test_rope_theta_read_as_transformers_reads_rope_scaling(edit, tmp_path):
+    """Found by probing: a theta inside rope_scaling (which transformers 5 reads in place of
+    rope_parameters) was ignored: 10000 here, the checkpoint's 1e6 in transformers, other tokens."""
+    from transformers import AutoConfig
+
+    raw = preset_json("tiny-qwen3")
+    for key in ("rope_theta", "rope_parameters", "rope_scaling"):
+        raw.pop(key, None)
+    raw.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = AutoConfig.from_pretrained(str(tmp_path), local_files_only=True)
+    assert read_config(tmp_path).rope_theta == theirs.rope_parameters["rope_theta"]
+
+
+def test_rope_theta_that_transformers_would_ignore_is_refused():
+    """rope_parameters' theta beside a rope_scaling without one: transformers reads rope_scaling alone
+    and rotates by 10000; loading that silently (it took rope_parameters' 1e6) gave other tokens."""
+    raw = preset_json("tiny-qwen3")
+    del raw["rope_theta"]
+    raw["rope_scaling"] = {"rope_type": "default"}
+    with pytest.raises(CheckpointError, match="field 'rope_parameters.rope_theta' is 1000000.0, but transformers "
+                                              "reads 'rope_scaling' in its place, which gives rope_theta 10000.0"):
+        parse_config(raw, "ckpt/config.json")
+
+
 def test_transformers5_spellings_and_defaults():
     raw = preset_json("tiny-qwen3-moe")
     raw["num_local_experts"] = raw.pop("num_experts")
