@@ -467,25 +467,35 @@ def test_stream_refuses_a_bad_prompt_before_running_any(tiny_paths, capsys, monk
     assert len(capsys.readouterr().out.strip().splitlines()) == 2 and engines[1].stats.steps > 0
 
 
-def test_chat_without_a_chat_template_names_the_flag(tiny_paths, tmp_path, capsys):
-    """Before: transformers' 'Cannot use chat template functions because tokenizer.chat_template is
-    not set...', naming neither --chat nor the checkpoint."""
-    import json
+def _with_chat_template(src, dst, template):
+    """dst: checkpoint src (files linked) whose tokenizer's chat template is `template` (None: none)."""
     import os
-    from pcg_engine import cli
-    src = tiny_paths["tiny-qwen3"]
     for f in src.iterdir():
         if f.name == "tokenizer_config.json":
             config = json.loads(f.read_text())
             config.pop("chat_template", None)
-            (tmp_path / f.name).write_text(json.dumps(config))
+            if template is not None:
+                config["chat_template"] = template
+            (dst / f.name).write_text(json.dumps(config))
         elif f.name != "chat_template.jinja":
-            os.symlink(f, tmp_path / f.name)
-    assert cli.main(["generate", "--model", str(tmp_path), "--device", "cpu", "--chat", "--prompt", "hi",
+            os.symlink(f, dst / f.name)
+    return dst
+
+
+def _chat_error(path, capsys) -> str:
+    from pcg_engine import cli
+    assert cli.main(["generate", "--model", str(path), "--device", "cpu", "--chat", "--prompt", "hi",
                      "--max-tokens", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"error: --chat: the tokenizer of {tmp_path} has no chat template (chat_template.jinja, or "
-                       "chat_template in tokenizer_config.json); leave out --chat to send the prompts as they are")
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_chat_without_a_chat_template_names_the_flag(tiny_paths, tmp_path, capsys):
+    """Before: transformers' 'Cannot use chat template functions because tokenizer.chat_template is
+    not set...', naming neither --chat nor the checkpoint."""
+    path = _with_chat_template(tiny_paths["tiny-qwen3"], tmp_path, None)
+    assert _chat_error(path, capsys) == (
+        f"error: --chat: the tokenizer of {tmp_path} has no chat template (chat_template.jinja, or "
+        "chat_template in tokenizer_config.json); leave out --chat to send the prompts as they are")
 
 
 @pytest.mark.parametrize("template, error", [
@@ -495,20 +505,9 @@ def test_chat_without_a_chat_template_names_the_flag(tiny_paths, tmp_path, capsy
 def test_chat_template_that_fails_names_the_flag(tiny_paths, tmp_path, capsys, template, error):
     """Found by probing: a checkpoint's chat template that refuses the messages (raise_exception, as
     real templates do) or does not parse ended `pcg generate --chat` in a jinja2 traceback, exit 1."""
-    import json
-    import os
-    from pcg_engine import cli
-    for f in tiny_paths["tiny-qwen3"].iterdir():
-        if f.name == "tokenizer_config.json":
-            config = json.loads(f.read_text())
-            config["chat_template"] = template
-            (tmp_path / f.name).write_text(json.dumps(config))
-        elif f.name != "chat_template.jinja":
-            os.symlink(f, tmp_path / f.name)
-    assert cli.main(["generate", "--model", str(tmp_path), "--device", "cpu", "--chat", "--prompt", "hi",
-                     "--max-tokens", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"error: --chat: --prompt: the chat template of {tmp_path} failed: {error}"), err[-1]
+    path = _with_chat_template(tiny_paths["tiny-qwen3"], tmp_path, template)
+    line = _chat_error(path, capsys)
+    assert line.startswith(f"error: --chat: --prompt: the chat template of {tmp_path} failed: {error}"), line
 
 
 def test_cli_refusals_raised_as_system_exit_are_one_error_line(tmp_path, capsys):
