@@ -97,7 +97,7 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
     """The prompts of --prompt and --prompts-file; where each came from ("--prompt #2",
     "--prompts-file: line 7") is appended to `sources` when given, for the errors that name one,
     and each prompt's own sampling fields (a JSONL line's; None for the others) to `overrides`."""
-    from pcg_engine.prompt_files import misspelt_field, parse_json, read_lines
+    from pcg_engine.prompt_files import misspelt_field, other_engines_option, parse_json, read_lines
     from pcg_engine.sampling_params import SamplingParams
     names = SamplingParams.field_names()
     prompts = list(args.prompt)
@@ -123,6 +123,9 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
                 # But a key that reads as a misspelt field ("temprature", "stop_token_id", "maxTokens")
                 # was ignored as well: the prompt ran at the flags' value without a word. Refused.
                 for key in obj:
+                    unsupported = other_engines_option(key)
+                    if unsupported is not None:
+                        raise SystemExit(f"--prompts-file: line {number}: {unsupported}")
                     meant = misspelt_field(key, names) if key not in names else None
                     if meant is not None:
                         raise SystemExit(f"--prompts-file: line {number}: {key!r} is not a sampling field; did you "
@@ -157,8 +160,9 @@ def _name_the_flag(error: Exception, has_flag) -> str:
     text = str(error)
     if field and has_flag(field) and text.startswith(f"{field}: "):
         flag = FLAG_NAMES.get(field, f"--{field.replace('_', '-')}")
-        # "None" is the API's "leave it to the engine"; a flag is left out for that, not typed
-        rest = text[len(field) + 2:].replace("allowed: None or ", "allowed: ")
+        # "None" / "null" is the API's "leave it to the engine"; a flag is left out for that, not typed
+        rest = text[len(field) + 2:].replace("allowed: None or ", "allowed: ").replace(" or null", "")
+        rest = rest.replace("use stop_token_ids", f"use {FLAG_NAMES['stop_token_ids']}")
         return f"{flag} ({field}): {rest}"
     return text
 
@@ -269,6 +273,10 @@ def cmd_generate(args) -> int:
                 # (it said "prompt 1", counting from 0, for the file's line 2)
                 raise SystemExit(f"--chat: {sources[bad]}: the prompt is token ids; the chat template needs text "
                                  "prompts")
+            lazy = llm.engine.lazy_tokenizer
+            if not lazy.available:    # (it said "give prompts as token ids", which --chat refuses)
+                raise SystemExit(f"--chat: {lazy.missing()}, so no chat template; leave out --chat and give the "
+                                 "prompts as token ids")
             if not getattr(llm.tokenizer, "chat_template", None):
                 # transformers' own ValueError named neither --chat nor the checkpoint
                 raise SystemExit(f"--chat: the tokenizer of {llm.engine.model_path} has no chat template "

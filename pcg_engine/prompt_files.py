@@ -71,7 +71,24 @@ def sampling_field(obj: dict) -> str | None:
 
 # Other engines' names of a sampling field (Hugging Face, OpenAI, Anthropic): on a line they were
 # ignored like any other key, the prompt run at the flags' value.
-_FIELD_ALIASES = {"max_new_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "stop_sequences": "stop"}
+_FIELD_ALIASES = {"max_new_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "stop_sequences": "stop",
+                  "top_logprobs": "logprobs"}
+
+# Sampling options of other engines' APIs (vLLM, OpenAI, transformers' generate) that pcg-engine does
+# not implement, with what to do instead: a line carrying one ran without it, without a word.
+OTHER_ENGINES_OPTIONS = {
+    "best_of": "add the prompt again with another seed", "use_beam_search": "beam search is not implemented",
+    "num_beams": "beam search is not implemented", "length_penalty": "beam search is not implemented",
+    "logit_bias": "not implemented", "prompt_logprobs": "not implemented",
+    "include_stop_str_in_output": "not implemented (the text leaves the stop string out)",
+    "do_sample": "give temperature instead (0: greedy)", "response_format": "not implemented",
+}
+
+
+def other_engines_option(key: str) -> str | None:
+    """A refusal's reason for `key` when it is another engine's sampling option (see above), else None."""
+    why = OTHER_ENGINES_OPTIONS.get(key)
+    return None if why is None else f"{key!r} is another engine's sampling option that pcg-engine does not take: {why}"
 
 
 def misspelt_field(key: str, names: tuple) -> str | None:

@@ -47,6 +47,8 @@ def weight_files(path: Path) -> list[Path]:
             raise CheckpointError(f"{index}: weight_map must map tensor names to file names, got "
                                   f"{json.dumps(weight_map)[:80]}")
         files = sorted({path / f for f in weight_map.values()})
+        if not files:     # (the size check then blamed config.json for "0 weights")
+            raise CheckpointError(f"{index}: weight_map lists no tensor; it maps each tensor name to its shard")
         for f in files:
             # A shard outside the checkpoint ("../x", an absolute path) is not this checkpoint's; one in
             # a folder of it is (transformers loads it; it was refused as "outside").
@@ -63,6 +65,11 @@ def weight_files(path: Path) -> list[Path]:
                                   "list it; transformers loads model.safetensors, this loader the index's shards: "
                                   "which weights are meant cannot be told. Remove the one not meant")
         return files
+    # As transformers: model.safetensors alone where there is one. Every *.safetensors was read, so a
+    # LoRA adapter_model.safetensors or a consolidated copy beside it failed the load.
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files

@@ -266,6 +266,7 @@ def test_prompts_file_line_sampling_fields_are_read_and_output_len_is_refused(tm
 @pytest.mark.parametrize("key, meant", [
     ("temprature", "temperature"), ("stop_token_id", "stop_token_ids"), ("max-tokens", "max_tokens"),
     ("maxTokens", "max_tokens"), ("max_new_tokens", "max_tokens"), ("Seed", "seed"), ("logprob", "logprobs"),
+    ("top_logprobs", "logprobs"),
 ])
 def test_prompts_file_misspelt_sampling_field_is_refused(tmp_path, key, meant):
     """Found by fuzzing: a line's keys other than the sampling fields are ignored (a dataset's "id"),
@@ -282,6 +283,21 @@ def test_prompts_file_misspelt_sampling_field_is_refused(tmp_path, key, meant):
     # (a review: one edit from the 4-letter "stop" and "seed" refused ordinary keys that ran before)
     path.write_text('{"prompt": "ok", "step": 1, "shop": 2, "seen": 3, "need": 4, "speed": 5, "top": 6}\n')
     assert _read_prompts(_args(path)) == ["ok"]
+
+
+@pytest.mark.parametrize("key, why", [
+    ("best_of", "add the prompt again with another seed"), ("logit_bias", "not implemented"),
+    ("do_sample", "give temperature instead \\(0: greedy\\)"), ("prompt_logprobs", "not implemented"),
+    ("include_stop_str_in_output", "not implemented"),
+])
+def test_prompts_file_other_engines_sampling_option_is_refused(tmp_path, key, why):
+    """Found by probing: vLLM's / OpenAI's / transformers' sampling keys on a line (best_of,
+    logit_bias, do_sample, ...) were ignored as unknown keys: the prompt ran without them, exit 0."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + json.dumps({"prompt": "a", key: 1}) + "\n")
+    with pytest.raises(SystemExit, match=f"^--prompts-file: line 2: {key!r} is another engine's sampling option "
+                                         f"that pcg-engine does not take: {why}"):
+        _read_prompts(_args(path))
 
 
 @pytest.mark.parametrize("line, key", [
@@ -498,6 +514,33 @@ def test_chat_without_a_chat_template_names_the_flag(tiny_paths, tmp_path, capsy
         "chat_template in tokenizer_config.json); leave out --chat to send the prompts as they are")
 
 
+def test_chat_on_a_checkpoint_without_a_tokenizer_names_the_flag(tiny_paths, tmp_path, capsys):
+    """Found by probing: it said "... has no tokenizer (...): give prompts as token ids", naming
+    neither --chat nor a way out (--chat refuses token ids)."""
+    import shutil
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_paths["tiny-qwen3"] / name, tmp_path / name)
+    line = _chat_error(tmp_path, capsys)
+    assert line.startswith(f"error: --chat: the checkpoint {tmp_path} has no tokenizer (") and \
+        line.endswith(", so no chat template; leave out --chat and give the prompts as token ids"), line
+
+
+def test_stop_without_a_tokenizer_names_the_stop_token_flag(tiny_paths, tmp_path, capsys):
+    """Found by probing: `--stop x` on a checkpoint without a tokenizer said "use stop_token_ids"."""
+    import shutil
+    from pcg_engine import cli
+    ckpt = tmp_path / "bare"
+    ckpt.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_paths["tiny-qwen3"] / name, ckpt / name)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [5, 6, 7]}\n')
+    assert cli.main(["generate", "--model", str(ckpt), "--device", "cpu", "--prompts-file", str(prompts),
+                     "--stop", "x", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --prompts-file: line 1: --stop (stop): ") and err.endswith("; use --stop-token-id"), err
+
+
 @pytest.mark.parametrize("template, error", [
     ("{{ raise_exception('only system and user roles') }}", "TemplateError: only system and user roles"),
     ("{% if %}", "TemplateSyntaxError: "),
@@ -660,6 +703,9 @@ def test_generate_names_flags_not_api_fields_for_a_long_prompt(capsys, flags, st
 @pytest.mark.parametrize("flags, line", [
     (["--max-model-len", "1"], "error: --max-model-len (max_model_len): got 1; allowed: an int >= 2\n"),
     (["--num-kv-blocks", "0"], "error: --num-kv-blocks (num_kv_blocks): got 0; allowed: an int >= 2\n"),
+    (["--logprobs", "21"], "error: --logprobs (logprobs): must be an integer in [0, 20], got 21\n"),
+    (["--truncate-prompt-tokens", "0"],
+     "error: --truncate-prompt-tokens (truncate_prompt_tokens): must be an integer >= 1, got 0\n"),
 ])
 def test_flag_error_offers_no_none(capsys, flags, line):
     """Found by probing: "allowed: None or an int >= 2": None is the API's value for "the engine

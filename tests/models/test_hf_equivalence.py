@@ -717,6 +717,28 @@ def test_unexpected_tensor_names_the_checkpoint_architecture(checkpoints, tmp_pa
                                          "weight' (not part of Qwen3MoeForCausalLM for this config)")
 
 
+@pytest.mark.parametrize("extra", ["adapter_model.safetensors", "consolidated.safetensors"])
+def test_other_safetensors_beside_model_safetensors_are_not_read(ckpt_copy, extra):
+    """Found by probing: without an index every *.safetensors was read, so a LoRA adapter or a
+    consolidated copy beside model.safetensors failed the load (an unexpected tensor; a tensor
+    stored twice). transformers reads model.safetensors alone; so does the loader now."""
+    from safetensors.torch import load_file, save_file
+    from pcg_engine.models.loader import weight_files
+    tensors = load_file(str(ckpt_copy / "model.safetensors"))
+    if extra.startswith("adapter"):
+        tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 4)}
+    save_file(tensors, str(ckpt_copy / extra))
+    assert weight_files(ckpt_copy) == [ckpt_copy / "model.safetensors"]
+    load_model(ckpt_copy, device="cpu", dtype=torch.float32)
+
+
+def test_index_with_an_empty_weight_map_is_named(ckpt_copy):
+    """Found by probing: the size check blamed config.json ("0 weights its files hold")."""
+    (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    assert load_error(ckpt_copy) == (f"{ckpt_copy / 'model.safetensors.index.json'}: weight_map lists no tensor; "
+                                     "it maps each tensor name to its shard")
+
+
 def test_sharded_index_through_symlinks_loads(ckpt_copy, tmp_path):
     """A hub cache's snapshot holds symlinks into its blobs: the shard check is on the listed path,
     not the resolved one."""
