@@ -104,9 +104,21 @@ class IncrementalDetokenizer:
         the text before the incomplete character is final, so a stop string in it stops the request
         at this token, not at the one that completes the character (or never, at max_tokens)."""
         complete = delta.rstrip(REPLACEMENT)
-        if complete and len(self.tokens) >= self.min_tokens and any(s in self.held + complete for s in self.stop):
+        # The search _append_text makes: a stop string wholly inside the held-back text (one before
+        # the min_tokens-th token) is no stop. Asked "is one anywhere in it", this appended the
+        # complete part without moving the offsets, and the next token decoded it again (' val  ').
+        if complete and len(self.tokens) >= self.min_tokens and self._stops_in(self.held + complete):
             return self._append_text(complete)
         return ""
+
+    def _stops_in(self, pending: str) -> list[tuple[int, str]]:
+        """(position, stop string) of each stop string that ends past the held-back text in `pending`
+        (held + new text). One inside the held-back text ended before (it was searched then, or came
+        before the min_tokens-th token, where none counts). No stop string can start inside emitted
+        text, since what is held back covers the longest stop string but one character; one that
+        started in the held-back text before the min_tokens-th token and ends with it counts (it was
+        emitted before, and missed)."""
+        return [(i, s) for s in self.stop if (i := pending.find(s, max(0, len(self.held) - len(s) + 1))) >= 0]
 
     def _append_text(self, delta: str) -> str:
         if not self.stop:
@@ -116,12 +128,7 @@ class IncrementalDetokenizer:
         pending = self.held + delta
         cut = -1
         if len(self.tokens) >= self.min_tokens:
-            # Only a stop string that ends in this delta: one inside the held-back text ended before
-            # (it was searched then, or came before the min_tokens-th token, where none counts).
-            # No stop string can start inside emitted text, since what is held back covers the
-            # longest stop string but one character; one that started in the held-back text before
-            # the min_tokens-th token and ends with it counts (it was emitted before, and missed).
-            found = [(i, s) for s in self.stop if (i := pending.find(s, max(0, len(self.held) - len(s) + 1))) >= 0]
+            found = self._stops_in(pending)     # only a stop string that ends in this delta
             if found:
                 cut, self.stopped_by = min(found, key=lambda f: f[0])
         if cut >= 0:

@@ -512,6 +512,29 @@ def test_incremental_detokenizer_stop_strings_multibyte(tokenizer):
         assert emitted == detok.text == text[:text.find(stop)]
 
 
+def test_stop_string_before_min_tokens_then_a_split_character_is_not_decoded_twice(tokenizer):
+    """Found by probing: a stop string wholly before the min_tokens-th token (so no stop), then a
+    token that starts a multi-byte character: the complete part of that token was appended without
+    moving the decode offsets, and the next token decoded it again (' val  ' for ' val ')."""
+    cases = 0
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for k in range(1, len(ids) - 1):
+            before = tokenizer.decode(ids[:k + 1])
+            now = tokenizer.decode(ids[:k + 2])
+            stop = before.rstrip("\ufffd")[-2:]
+            if (len(stop) < 2 or not now.endswith("\ufffd") or len(now.rstrip("\ufffd")) <= len(before)
+                    or tokenizer.decode(ids).count(stop) != 1):
+                continue
+            # the stop string ends with token k, one before min_tokens (k + 2); a long second stop
+            # string keeps enough text held back to hold the first one whole
+            detok = IncrementalDetokenizer(tokenizer, [5], stop=[stop, "\x00" * 12], min_tokens=k + 2)
+            deltas = [detok.add(t) for t in ids] + [detok.flush()]
+            assert detok.stopped_by is None and "".join(deltas) == detok.text == tokenizer.decode(ids), (text, k)
+            cases += 1
+    assert cases >= 3, "no token split a character after a stop string: the test tests nothing"
+
+
 def test_stop_string_in_a_token_that_starts_a_character_stops_there(tokenizer):
     """A token can end a stop string and start a multi-byte character (' \\xc3', 'r\\xc3'): the
     request stops at that token. Its text was held back whole until the character completed, so
