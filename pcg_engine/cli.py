@@ -162,7 +162,8 @@ def _name_the_flag(error: Exception, has_flag) -> str:
         flag = FLAG_NAMES.get(field, f"--{field.replace('_', '-')}")
         # "None" / "null" is the API's "leave it to the engine"; a flag is left out for that, not typed
         rest = text[len(field) + 2:].replace("allowed: None or ", "allowed: ").replace(" or null", "")
-        rest = rest.replace("use stop_token_ids", f"use {FLAG_NAMES['stop_token_ids']}")
+        rest = rest.replace("use stop_token_ids", f"use {FLAG_NAMES['stop_token_ids']}").replace(
+            "attention_backend='triton'", "--attention-backend triton")
         return f"{flag} ({field}): {rest}"
     return text
 

@@ -706,6 +706,9 @@ def test_generate_names_flags_not_api_fields_for_a_long_prompt(capsys, flags, st
     (["--logprobs", "21"], "error: --logprobs (logprobs): must be an integer in [0, 20], got 21\n"),
     (["--truncate-prompt-tokens", "0"],
      "error: --truncate-prompt-tokens (truncate_prompt_tokens): must be an integer >= 1, got 0\n"),
+    (["--mode", "full_decode"], "error: --mode (mode): 'full_decode' replays whole-step CUDA graphs and needs a "
+     "graph-safe attention backend; 'torch' is not; allowed with it: eager, compile, piecewise (or "
+     "--attention-backend triton, which on the CPU needs TRITON_INTERPRET=1)\n"),
 ])
 def test_flag_error_offers_no_none(capsys, flags, line):
     """Found by probing: "allowed: None or an int >= 2": None is the API's value for "the engine
