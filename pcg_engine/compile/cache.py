@@ -16,7 +16,9 @@ directories other users could tamper with.
 key = sha256(model config, sha256 of pcg_engine/**/*.py as imported, torch/triton/python versions, device,
 dtype, buckets, mode, fuse/kernels, saved trace on/off, the PCG_* and TORCHINDUCTOR_* settings). At
 start an entry with no manifest (an interrupted build), a manifest for other fields, a missing,
-changed or unlisted file is deleted and rebuilt, never used, with a warning that says why.
+changed or unlisted file is deleted and rebuilt, never used, with a warning that says why; so is
+an entry with a folder or file inside that another user owns or could write, or a symlink. Only
+what a start wrote itself is hashed into the manifest: a hit never re-signs the files it checked.
 """
 
 import contextlib
@@ -173,6 +175,52 @@ def _files(entry: Path) -> list[Path]:
                   if p.is_file() and p.name != MANIFEST and not p.name.endswith(".lock"))
 
 
+def _make_private_dirs(path: Path) -> None:
+    """Create `path` and each missing folder above it, mode 0700 whatever the umask.
+    os.makedirs gives its mode to the last folder only: under umask 000 the parents it made
+    ($XDG_CACHE_HOME/pcg_engine) came out 0777, and check_parents refused the cache on every start."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:     # another start made it meanwhile: check_private judges it
+            continue
+        os.chmod(folder, 0o700)     # mkdir's mode is masked by the umask
+
+
+def _shared_path_in(entry: Path) -> str | None:
+    """None when this user owns every folder and file in the entry and none is writable by group
+    or others or is a symlink; else the first that is not (the entry is then rebuilt)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for folder, dirs, names in os.walk(entry):
+        for name in dirs + [n for n in names if not n.endswith(".lock")]:
+            path = os.path.join(folder, name)
+            st = os.lstat(path)
+            where = os.path.relpath(path, entry)
+            if stat.S_ISLNK(st.st_mode):
+                return f"{where} is a symlink"
+            if uid is not None and st.st_uid != uid:
+                return f"{where} is owned by uid {st.st_uid}, not by this user"
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return f"{where} (mode {oct(st.st_mode & 0o777)}) is writable by group or others"
+    return None
+
+
+def _drop_group_and_other_write(entry: Path) -> None:
+    """Before an entry is signed: what Inductor and Triton made under a loose umask (0777 folders,
+    0666 files) loses group and other write, so the next start's check does not reject the entry.
+    Safe here: the entry was made 0700, so no one else could reach into it during the build."""
+    for folder, dirs, names in os.walk(entry):
+        for name in dirs + names:
+            path = os.path.join(folder, name)
+            st = os.lstat(path)
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+
+
 class CompileCache:
     def __init__(self, root, fields: dict):
         self.root = Path(root) if root is not None else default_cache_root()
@@ -183,14 +231,14 @@ class CompileCache:
         self.state: str | None = None       # "hit" (verified entry) or "miss" (new build)
         self.rejected: str | None = None    # why an existing entry was deleted
         self._lock_fd: int | None = None
+        self._verified: dict = {}           # a hit's manifest records, as verify() checked them
 
     def open(self) -> str:
         """Create/verify the directories; returns 'hit' or 'miss'. Holds the key's lock until close()."""
         check_parents(self.root)
         if not self.root.exists():
             try:
-                os.makedirs(self.root, mode=0o700, exist_ok=True)
-                os.chmod(self.root, 0o700)   # makedirs' mode is masked by the umask
+                _make_private_dirs(self.root)
             except OSError as e:   # a path under a file, a read-only place
                 raise CompileCacheError(f"cannot create {self.root}: {e.strerror or e}; choose another directory "
                                         "(or compile_cache=False)", unwritable=e.errno in _UNWRITABLE) from None
@@ -221,7 +269,11 @@ class CompileCache:
     def _open_entry(self) -> str:
         if self.entry.exists():
             check_private(self.entry)
-            problem = self.verify()
+            # Every folder and file inside too: the entry's own mode does not stop another user
+            # from writing into a folder below it that they can reach and write (Inductor makes
+            # its folders 0777 under umask 000), after verify() has read the file and before it
+            # is loaded.
+            problem = _shared_path_in(self.entry) or self.verify()
             if problem is None:
                 self.state = "hit"
                 return self.state
@@ -258,6 +310,7 @@ class CompileCache:
             p = self.entry / name
             if p.stat().st_size != size or _sha256(p) != sha256:
                 return f"checksum mismatch in {name}"
+        self._verified = manifest["files"]
         return None
 
     def _lock(self) -> None:
@@ -277,12 +330,26 @@ class CompileCache:
             os.close(self._lock_fd)     # releases the flock
             self._lock_fd = None
 
-    def commit(self) -> None:
-        """Record every file of the entry; written last, atomically, so a partial build has none."""
-        files = {str(p.relative_to(self.entry)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in _files(self.entry)}
+    def commit(self, written=()) -> None:
+        """Record every file of the entry; written last, atomically, so a partial build has none.
+
+        Only what this start wrote is hashed: new files, and `written` (paths it replaced, such as
+        a saved trace that failed to load). A hit keeps the records verify() checked for the other
+        files it found: hashing them again would trust whatever is on disk now, so a file changed
+        since the check would be signed as good for every later start instead of caught by the
+        next one. (A hit adds files too: the saved trace of a new KV-cache shape.)"""
+        _drop_group_and_other_write(self.entry)
+        replaced = {str(Path(p).relative_to(self.entry)) for p in written}
+        files = {}
+        for p in _files(self.entry):
+            name = str(p.relative_to(self.entry))
+            kept = None if name in replaced else self._verified.get(name)
+            files[name] = kept or {"size": p.stat().st_size, "sha256": _sha256(p)}
+        if self.state == "hit" and files == self._verified:
+            return                          # nothing new: the verified manifest stands
         tmp = self.entry / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
+        # Owner-only whatever the umask: the next start's check refuses a manifest others could write.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump({"fields": self.fields, "files": files}, f, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())

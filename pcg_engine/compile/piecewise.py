@@ -78,6 +78,7 @@ class CompiledForward:
         self.saved_trace: tuple | None = None
         self.saved_trace_loaded = False
         self.saved_trace_error: str | None = None
+        self.saved_trace_written: str | None = None   # the file this start wrote (the cache signs it)
 
     @property
     def stats(self):
@@ -160,6 +161,7 @@ class CompiledForward:
             self.backend.saving = False
         try:
             saved_trace.save(traced, path)
+            self.saved_trace_written = path
         except Exception as e:
             saved_trace.remove(path)
             self.saved_trace_error = f"not saved: {type(e).__name__}: {e}"

@@ -150,7 +150,7 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
                                MIN_TRACED_TOKENS)
             _dummy_forward(runner, forward, trace_tokens)
         if cache is not None:
-            cache.commit()
+            cache.commit(written=[forward.saved_trace_written] if forward.saved_trace_written else [])
     finally:
         if cache is not None:
             cache.close()

@@ -259,19 +259,29 @@ def ensure_checkpoint(preset: str, final: Path, seed: int = 0, device: str = "cp
     final = Path(final)
     if (final / "config.json").exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # Build aside and rename: a reader never sees a half-written directory, and two processes
-    # racing to build both succeed (the loser discards its copy).
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # Build aside and rename: a reader never sees a half-written directory, and two processes
+        # racing to build both succeed (the loser discards its copy).
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    except OSError as e:     # XDG_CACHE_HOME a file, a read-only home: one line, not a traceback
+        raise _unwritable_model_cache(preset, final, e) from None
     try:
         make_checkpoint(preset, tmp, seed=seed, device=device)
         os.rename(tmp, final)
-    except OSError:
+    except OSError as e:
         if not (final / "config.json").exists():
-            raise
+            raise _unwritable_model_cache(preset, final, e) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _unwritable_model_cache(preset: str, final: Path, error: OSError) -> ConfigError:
+    return ConfigError("model", f"the {preset} checkpoint is built on first use in {final.parent} (the user cache: "
+                                f"$XDG_CACHE_HOME, else ~/.cache), which cannot be written: "
+                                f"{error.strerror or error} ({error.filename or final.parent}); set XDG_CACHE_HOME "
+                                f"to a writable directory, or give a checkpoint directory as the model")
 
 
 def ensure_default_model() -> Path:

@@ -73,6 +73,65 @@ def test_lock_files_are_not_part_of_the_entry(tmp_path):
     again.close()
 
 
+@pytest.mark.parametrize("loosen, reason", [
+    (lambda e: os.chmod(e / "inductor" / "ab", 0o777), "inductor/ab (mode 0o777) is writable by group or others"),
+    (lambda e: os.chmod(e / "triton" / "kernel.bin", 0o664), "triton/kernel.bin (mode 0o664) is writable"),
+    (lambda e: (e / "inductor" / "ab" / "elsewhere.py").symlink_to(e / "inductor" / "ab" / "graph.py"),
+     "inductor/ab/elsewhere.py is a symlink"),
+])
+def test_an_entry_with_a_path_others_could_write_is_rebuilt(tmp_path, loosen, reason):
+    """The entry's own mode does not protect a folder below it that others can reach and write
+    (entry 0755, Inductor's folders 0777 under umask 000): another user could replace a .py there
+    after verify() read it and before Inductor loads it. Every path inside is checked."""
+    first = _built(tmp_path / "c")
+    os.chmod(first.entry, 0o755)          # others may pass through, not write: still a usable entry
+    loosen(first.entry)
+    again = CompileCache(tmp_path / "c", FIELDS)
+    with pytest.warns(UserWarning, match="not used"):
+        assert again.open() == "miss"
+    assert reason in again.rejected
+    again.close()
+
+
+def test_a_hit_does_not_sign_a_file_changed_after_its_check(tmp_path):
+    """commit() after a hit keeps the checked records: a file changed between the check and the
+    commit is caught by the next start, not written into the manifest as good."""
+    _built(tmp_path / "c")
+    hit = CompileCache(tmp_path / "c", FIELDS)
+    assert hit.open() == "hit"
+    (hit.entry / "inductor" / "ab" / "graph.py").write_text("print('swapped after the check')\n")
+    (hit.entry / "trace-kv8x16.bin").write_bytes(b"new trace")     # what a hit may add
+    hit.commit()
+    hit.close()
+    listed = json.loads((hit.entry / MANIFEST).read_text())["files"]
+    assert "trace-kv8x16.bin" in listed            # this start's own file is recorded
+    again = CompileCache(tmp_path / "c", FIELDS)
+    with pytest.warns(UserWarning, match="checksum mismatch in inductor/ab/graph.py"):
+        assert again.open() == "miss"
+    again.close()
+
+
+def test_a_build_under_umask_000_is_private_and_hits(tmp_path):
+    """Under umask 000 the folders made for the cache root are 0700 (os.makedirs' mode reaches only
+    the last one: the parents came out 0777 and the next start refused them), and what the build
+    made 0777 / 0666 loses group and other write before it is signed, so the next start hits."""
+    old = os.umask(0)
+    try:
+        root = tmp_path / "xdg" / "pcg_engine" / "compile"
+        first = _built(root)
+        os.chmod(first.entry / "inductor" / "ab", 0o777)     # as Inductor makes them under umask 000
+        os.chmod(first.entry / "inductor" / "ab" / "graph.py", 0o666)
+        first.commit()
+        again = CompileCache(root, FIELDS)
+        assert again.open() == "hit", again.rejected
+        again.close()
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "xdg", tmp_path / "xdg" / "pcg_engine", root):
+        assert os.stat(folder).st_mode & 0o777 == 0o700, folder
+    assert os.stat(first.entry / "inductor" / "ab").st_mode & 0o777 == 0o755
+
+
 def test_a_second_start_waits_for_the_build_then_hits(tmp_path):
     builder = CompileCache(tmp_path / "c", FIELDS)
     assert builder.open() == "miss"

@@ -198,6 +198,30 @@ def test_ensure_default_model_builds_once(tmp_path, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp dir left behind
 
 
+def test_an_unusable_user_cache_is_named_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """XDG_CACHE_HOME a file (or the disk full while the default model is written): a ConfigError
+    naming the model and XDG_CACHE_HOME, and `pcg generate` prints one line and exits 2 (a raw
+    NotADirectoryError traceback before)."""
+    from pcg_engine import cli
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(a_file))
+    with pytest.raises(ConfigError, match=r"^model: the tiny-qwen3 checkpoint .*XDG_CACHE_HOME.*Not a directory") as e:
+        cm.ensure_default_model()
+    assert e.value.field == "model"
+    assert cli.main(["generate", "--device", "cpu", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --model (model): the tiny-qwen3 checkpoint is built on first use")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(cm, "make_checkpoint", no_space)
+    with pytest.raises(ConfigError, match="No space left on device"):
+        cm.ensure_default_model()
+    assert list(cm.default_model_dir().parent.iterdir()) == []      # nothing half-built left
+
+
 def _cli_args(out, **over):
     import argparse
     return argparse.Namespace(**{"preset": "tiny-qwen3", "out": str(out), "seed": 0, "max_shard_size": "2GB",
