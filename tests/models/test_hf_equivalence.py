@@ -384,7 +384,9 @@ def test_bad_config_field(ckpt_copy):
                  "implements only full attention (allowed: 'full_attention')", id="layer_types-sliding"),
     pytest.param({"layer_types": "full_attention"}, "field 'layer_types' is 'full_attention'; allowed: a list",
                  id="layer_types-not-a-list"),
-    pytest.param({"use_sliding_window": True, "sliding_window": 8}, "field 'use_sliding_window' is true",
+    pytest.param({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2, "layer_types": None},
+                 "field 'use_sliding_window' is true with sliding_window 8, so transformers gives layers 2 and on "
+                 "(max_window_layers 2, num_hidden_layers 4) a sliding window",
                  id="use_sliding_window"),
     pytest.param({"eos_token_id": "x"}, "field 'eos_token_id' is 'x'; allowed: a token id in 0..1023 "
                  "(vocab_size), a list of them, or null", id="eos_token_id-text"),

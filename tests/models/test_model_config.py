@@ -126,7 +126,6 @@ def test_missing_moe_field_is_named():
     ("rope_theta", 5.0, "'rope_theta' and 'rope_parameters.rope_theta' disagree"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope_type 'yarn'"),
     ("rope_scaling", {"type": "linear", "factor": 2.0}, "'rope_scaling' asks for rope_type 'linear'"),
-    ("use_sliding_window", True, "'use_sliding_window' is true"),
     ("attention_bias", True, "'attention_bias' is true"),
     ("model_type", "llama", "'model_type' is 'llama'"),
     ("architectures", "Qwen3ForCausalLM", "'architectures' is 'Qwen3ForCausalLM'"),
@@ -136,6 +135,39 @@ def test_invalid_field_is_named(field, value, message):
     raw[field] = value
     with pytest.raises(CheckpointError, match=message):
         parse_config(raw, "ckpt/config.json")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("edit", [
+    {"use_sliding_window": True, "sliding_window": 8},                                 # the preset: window from layer 4 of 4
+    {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+    {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+    {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+    {"use_sliding_window": True, "max_window_layers": 1},                              # transformers' default window 4096
+    {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0, "layer_types": "all full"},
+    {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0},
+])
+def test_sliding_window_refused_exactly_where_transformers_windows_a_layer(name, edit):
+    """transformers (the reference) decides which layers attend through a window: Qwen3Config from
+    max_window_layers on, when use_sliding_window and a sliding_window are set and layer_types is
+    not given; Qwen3MoeConfig every layer. A config is refused exactly when one layer is windowed
+    (use_sliding_window true was refused even where every layer attends fully)."""
+    from transformers import AutoConfig
+    raw = preset_json(name)
+    raw.update(edit)
+    if "sliding_window" not in edit:
+        del raw["sliding_window"]
+    if "layer_types" in edit:
+        raw["layer_types"] = ["full_attention"] * raw["num_hidden_layers"]
+    hf = AutoConfig.for_model(**raw)
+    layer_types = getattr(hf, "layer_types", None) if raw["model_type"] == "qwen3" else None
+    windowed = (any(t == "sliding_attention" for t in layer_types) if layer_types is not None
+                else hf.sliding_window is not None)
+    if windowed:
+        with pytest.raises(CheckpointError, match=r"'use_sliding_window' is true .*only full attention"):
+            parse_config(raw, "ckpt/config.json")
+    else:
+        assert parse_config(raw, "ckpt/config.json").num_hidden_layers == raw["num_hidden_layers"]
 
 
 @pytest.mark.parametrize("edit, message", [
