@@ -160,12 +160,17 @@ def _name_the_flag(error: Exception, has_flag) -> str:
     text = str(error)
     if field and has_flag(field) and text.startswith(f"{field}: "):
         flag = FLAG_NAMES.get(field, f"--{field.replace('_', '-')}")
-        # "None" / "null" is the API's "leave it to the engine"; a flag is left out for that, not typed
-        rest = text[len(field) + 2:].replace("allowed: None or ", "allowed: ").replace(" or null", "")
-        rest = rest.replace("use stop_token_ids", f"use {FLAG_NAMES['stop_token_ids']}").replace(
-            "attention_backend='triton'", "--attention-backend triton")
-        return f"{flag} ({field}): {rest}"
+        return f"{flag} ({field}): {flag_wording(text[len(field) + 2:])}"
     return text
+
+
+def flag_wording(message: str) -> str:
+    """An engine message as a command-line user reads it (pcg generate, the benchmarks' --modes):
+    "None" / "null" is the API's "leave it to the engine", for which a flag is left out, not typed;
+    another field it suggests is named by its flag."""
+    message = message.replace("allowed: None or ", "allowed: ").replace(" or null", "")
+    return message.replace("use stop_token_ids", f"use {FLAG_NAMES['stop_token_ids']}").replace(
+        "attention_backend='triton'", "--attention-backend triton")
 
 
 def _params_per_prompt(base: dict, overrides: list) -> list:

@@ -207,6 +207,7 @@ def check_modes(args: argparse.Namespace, modes: list[tuple[str, dict]]) -> None
     its result to the second mode's ConfigError (named 'mode:', not --modes). The checks are
     ModelRunner's that need no weights: the fields, Triton on this device, buckets the mode uses,
     a graph-safe attention backend for the full-graph modes."""
+    from pcg_engine.cli import flag_wording
     from pcg_engine.config import EngineConfig
     from pcg_engine.errors import ConfigError
     for name, mode_kw in modes:
@@ -219,7 +220,7 @@ def check_modes(args: argparse.Namespace, modes: list[tuple[str, dict]]) -> None
         except ConfigError as e:
             if e.field != "mode":
                 raise               # a flag's own value: named by the caller as before
-            raise SystemExit(f"--modes: {name!r}: {str(e).removeprefix('mode: ')}") from None
+            raise SystemExit(f"--modes: {name!r}: {flag_wording(str(e).removeprefix('mode: '))}") from None
 
 
 def build_llm(model_path: str, **config):

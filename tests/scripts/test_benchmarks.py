@@ -883,10 +883,11 @@ def test_a_mode_this_device_cannot_build_is_refused_before_any_runs(module, monk
     with pytest.raises(SystemExit) as e:
         module.main(["--model", "tiny-qwen3", "--device", "cpu", "--modes", "eager,full_decode",
                      "--attention-backend", "torch", "--input-len", "4", "--output-len", "2"])
-    # the engine's own message (EngineConfig.check_mode_backend), named under --modes
+    # the engine's own message (EngineConfig.check_mode_backend), named under --modes, with the
+    # flag that sets the other field it suggests (it said attention_backend='triton')
     assert str(e.value) == ("--modes: 'full_decode': 'full_decode' replays whole-step CUDA graphs and needs a "
                             "graph-safe attention backend; 'torch' is not; allowed with it: eager, compile, piecewise "
-                            "(or attention_backend='triton', which on the CPU needs TRITON_INTERPRET=1)")
+                            "(or --attention-backend triton, which on the CPU needs TRITON_INTERPRET=1)")
 
 
 @pytest.mark.parametrize("module", [latency, throughput, load_test, overhead, profile])
