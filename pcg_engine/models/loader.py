@@ -153,8 +153,9 @@ _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _check_tied_head(file: Path, entry, config: ModelConfig) -> None:
-    """A stored LM head of a tied model is read only to be compared with the embedding (which
-    serves as the head); one of another shape says the checkpoint is not what config.json describes."""
+    """A stored LM head of a tied model is read to be compared with the embedding (which serves as
+    the head), or as the embedding where it is stored alone; one of another shape says the
+    checkpoint is not what config.json describes."""
     expected = (config.vocab_size, config.hidden_size)
     if entry.name == "lm_head.weight" and entry.shape != expected:
         raise CheckpointError(f"{file}: tensor 'lm_head.weight' has shape {entry.shape}; config.json ties it to "
@@ -252,6 +253,10 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
     targets = _Targets(model)
     stored_in: dict[str, Path] = {}     # tensor name -> its shard: a second copy would overwrite the first
     stored_head = None                  # a tied model's stored lm_head.weight, compared with the embedding
+    # A tied model saved under the head's name alone (safetensors' save_model keeps the first name
+    # of a shared tensor, here lm_head.weight): that tensor is the embedding, as transformers reads
+    # it, and is read straight into it.
+    head_is_embedding = not any(e.name == "model.embed_tokens.weight" for entries in headers.values() for e in entries)
     for file in files:
         plan = []
         for entry in headers[file]:
@@ -271,8 +276,11 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
                 # head transformers uses (it unties them) where the embedding would serve here: read
                 # it, in the model's dtype as transformers compares, to check.
                 _check_tied_head(file, entry, config)
-                stored_head = torch.empty(entry.shape, dtype=dtype, device=device)
-                resolved = None, stored_head
+                if head_is_embedding:
+                    resolved = "model.embed_tokens.weight", model.model.embed_tokens.weight.data
+                else:
+                    stored_head = torch.empty(entry.shape, dtype=dtype, device=device)
+                    resolved = None, stored_head
             name, dest = resolved
             if not entry.dtype.is_floating_point:   # copy_ would convert the integers to floats
                 raise CheckpointError(f"{file}: tensor {entry.name!r} is stored as {DTYPE_NAMES[entry.dtype]}; "
@@ -289,13 +297,6 @@ def load_model(path, device="cpu", dtype=None, fuse: bool = True, kernels: bool 
         for _, _, name in plan:
             if name is not None:
                 targets.mark(name)
-    if stored_head is not None and "model.embed_tokens.weight" not in stored_in:
-        # A tied model saved under the head's name alone (safetensors' save_model keeps the first
-        # name of a shared tensor, here lm_head.weight): that tensor is the embedding, as
-        # transformers reads it. It was refused as missing model.embed_tokens.weight.
-        model.model.embed_tokens.weight.data.copy_(stored_head)
-        targets.mark("model.embed_tokens.weight")
-        stored_head = None
     missing = targets.missing()
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
