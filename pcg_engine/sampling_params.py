@@ -25,6 +25,11 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e6
 TEMPERATURE_RANGE = "in [0, 1e6] (0 means greedy)"   # the error's wording, here and in the benchmarks' flag
 MAX_LOGPROBS = 20
+# Distinct stop token ids a request may give. The sampler keeps them per row in a [rows, widest
+# list] table (min_tokens masks them, row_state checks each sampled token against them), so one
+# request's list sets the table's width for every row: 200,000 ids held 439 MiB at 256 rows for
+# the engine's life. 4,096 (every newline token of a large vocabulary, say) costs ~9 MiB at 256 rows.
+MAX_STOP_TOKEN_IDS = 4096
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -167,7 +172,11 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise InvalidRequestError(
                     "stop_token_ids", f"must be a list of integers >= 0, got item {t!r}")
-        return [int(t) for t in ids]
+        distinct = list(dict.fromkeys(int(t) for t in ids))    # a repeat stops nothing more
+        if len(distinct) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"holds {len(distinct)} distinct ids; allowed: at most "
+                                      f"{MAX_STOP_TOKEN_IDS}")
+        return distinct
 
     @property
     def greedy(self) -> bool:

@@ -56,6 +56,18 @@ def test_invalid_value_names_field_and_range(field, value, rng):
         assert rng in msg, msg
 
 
+def test_stop_token_ids_are_distinct_and_bounded():
+    """Found by probing: stop_token_ids=[7] * 200_000 was taken; the sampler's per-row stop table
+    took the longest list's width for every row (439 MiB at 256 rows) for the engine's life.
+    Repeats are dropped (first occurrence order kept); more distinct ids than the limit are refused."""
+    from pcg_engine.sampling_params import MAX_STOP_TOKEN_IDS
+    assert SamplingParams(stop_token_ids=[7] * 200_000 + [3, 7, 5]).stop_token_ids == [7, 3, 5]
+    assert len(SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))).stop_token_ids) == MAX_STOP_TOKEN_IDS
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_dict({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))})
+    assert str(e.value) == f"stop_token_ids: holds {MAX_STOP_TOKEN_IDS + 1} distinct ids; allowed: at most {MAX_STOP_TOKEN_IDS}"
+
+
 def test_stop_strings_need_detokenize():
     """Found by probing: detokenize=False with stop strings still detokenized, returned the text
     and stopped on the strings."""
