@@ -16,6 +16,7 @@ matches it; the text before is held back the same way, so one that starts before
 found.
 """
 
+import os.path
 import weakref
 
 REPLACEMENT = "\ufffd"
@@ -62,6 +63,9 @@ class IncrementalDetokenizer:
         self.text = ""          # emitted so far
         self.held = ""          # decoded but held back: might start a stop string
         self.stopped_by: str | None = None
+        # len(context) when the min_tokens-th output token came: the context tokens before it are
+        # those whose text no stop string may end in (see _early).
+        self._min_context: int | None = None if min_tokens > 1 else 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -69,6 +73,8 @@ class IncrementalDetokenizer:
     def add(self, token: int) -> str:
         """Append one token; returns the new text it completes ('' while a character is split)."""
         self.tokens.append(token)
+        if self._min_context is None and len(self.tokens) == self.min_tokens:
+            self._min_context = len(self.context)
         if token in self.skipped:
             # decode() leaves it out, so the window may too. Kept, it grew the window without
             # text: each token of a run of <|endoftext|> (ignore_eos) decoded the whole run.
@@ -87,19 +93,31 @@ class IncrementalDetokenizer:
                 head = self._decode(self.context[self.prefix_offset:-1])
                 tail = self._decode(self.context[-1:])
                 if tail and head + tail == full and len(head) >= len(prefix):
+                    early = self._early(prefix, full)
                     self.prefix_offset, self.read_offset = self.read_offset, len(self.context) - 1
-                    out = self._append_text(head[len(prefix):])
+                    out = self._append_text(head[len(prefix):], early)
                     if self.stop and self.stopped_by is None:
                         out += self._stop_before_incomplete(tail)
                     return out
             if self.stop and len(full) > len(prefix):
-                return self._stop_before_incomplete(full[len(prefix):])
+                return self._stop_before_incomplete(full[len(prefix):], self._early(prefix, full))
             return ""
         delta = full[len(prefix):]
+        early = self._early(prefix, full)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.context)
-        return self._append_text(delta)
+        return self._append_text(delta, early)
 
-    def _stop_before_incomplete(self, delta: str) -> str:
+    def _early(self, prefix: str, full: str) -> int:
+        """How much of the new text (full past prefix) is the final text of tokens before the
+        min_tokens-th: no stop string may end in it. The window can still hold such tokens when
+        one of them started a multi-byte character (' \\xe2\\x88'): its complete text (' ') was
+        held with the character and reaches the stop search in a later token's delta."""
+        if not self.stop or self._min_context is None or self.read_offset >= self._min_context:
+            return 0
+        alone = self._decode(self.context[self.prefix_offset:self._min_context]).rstrip(REPLACEMENT)
+        return max(0, len(os.path.commonprefix([alone, full])) - len(prefix))
+
+    def _stop_before_incomplete(self, delta: str, early: int = 0) -> str:
         """A token can complete a stop string and start a character (' \\xc3', 'r\\xc3' are tokens):
         the text before the incomplete character is final, so a stop string in it stops the request
         at this token, not at the one that completes the character (or never, at max_tokens)."""
@@ -107,20 +125,22 @@ class IncrementalDetokenizer:
         # The search _append_text makes: a stop string wholly inside the held-back text (one before
         # the min_tokens-th token) is no stop. Asked "is one anywhere in it", this appended the
         # complete part without moving the offsets, and the next token decoded it again (' val  ').
-        if complete and len(self.tokens) >= self.min_tokens and self._stops_in(self.held + complete):
-            return self._append_text(complete)
+        if complete and len(self.tokens) >= self.min_tokens and self._stops_in(self.held + complete, early):
+            return self._append_text(complete, early)
         return ""
 
-    def _stops_in(self, pending: str) -> list[tuple[int, str]]:
+    def _stops_in(self, pending: str, early: int = 0) -> list[tuple[int, str]]:
         """(position, stop string) of each stop string that ends past the held-back text in `pending`
         (held + new text). One inside the held-back text ended before (it was searched then, or came
         before the min_tokens-th token, where none counts). No stop string can start inside emitted
         text, since what is held back covers the longest stop string but one character; one that
         started in the held-back text before the min_tokens-th token and ends with it counts (it was
-        emitted before, and missed)."""
-        return [(i, s) for s in self.stop if (i := pending.find(s, max(0, len(self.held) - len(s) + 1))) >= 0]
+        emitted before, and missed). `early`: that many characters after the held-back text are
+        the text of tokens before the min_tokens-th (_early), where no stop string may end either."""
+        end = len(self.held) + early
+        return [(i, s) for s in self.stop if (i := pending.find(s, max(0, end - len(s) + 1))) >= 0]
 
-    def _append_text(self, delta: str) -> str:
+    def _append_text(self, delta: str, early: int = 0) -> str:
         if not self.stop:
             delta, self.held = self.held + delta, ""
             self.text += delta
@@ -128,7 +148,7 @@ class IncrementalDetokenizer:
         pending = self.held + delta
         cut = -1
         if len(self.tokens) >= self.min_tokens:
-            found = self._stops_in(pending)     # only a stop string that ends in this delta
+            found = self._stops_in(pending, early)     # only a stop string that ends in this delta
             if found:
                 cut, self.stopped_by = min(found, key=lambda f: f[0])
         if cut >= 0:

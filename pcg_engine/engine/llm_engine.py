@@ -538,6 +538,10 @@ class LLMEngine:
             request.truncate(index + 1)   # drop the next step's speculative placeholder, if any
             if detok is not None and detok.stopped_by is None:
                 delta += detok.flush()
+                if detok.stopped_by is not None:
+                    # A stop string only the end's text completes (one holding U+FFFD, which a
+                    # character split at the end decodes to): the text is cut there, so say so.
+                    status, reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
             self.scheduler.finish_request(request, status, reason)
             self._forget(request)
         else:

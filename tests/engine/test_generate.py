@@ -535,6 +535,44 @@ def test_stop_string_before_min_tokens_then_a_split_character_is_not_decoded_twi
     assert cases >= 3, "no token split a character after a stop string: the test tests nothing"
 
 
+def _text_before_token(tokenizer, ids, k):
+    """The final text of ids[:k]: its decoding without a character the next tokens may complete."""
+    return tokenizer.decode(ids[:k]).rstrip("\ufffd") if k > 0 else ""
+
+
+def test_stop_string_counts_only_where_it_ends_at_the_min_tokens_th_token_or_later(tokenizer):
+    """The rule the detokenizer states, against a reference on the whole text: with min_tokens m, a
+    stop string counts where it ends past the final text of the first m - 1 tokens. Found by
+    probing: a stop string wholly in the text of a token before the m-th that also starts a
+    multi-byte character (' \xe2\x88' then '\x9f') counted, since that text first reached the
+    stop search inside the m-th token's delta; the same text tokenized otherwise did not stop."""
+    cases = 0
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        whole = tokenizer.decode(ids)
+        for stop in {" ", "，", "：", "a", "o", "世", "é"} & set(whole):
+            for m in range(1, len(ids) + 1):
+                boundary = len(_text_before_token(tokenizer, ids, m - 1))
+                ends = [i + len(stop) for i in range(len(whole)) if whole.startswith(stop, i)]
+                counted = [e for e in ends if e > boundary]
+                detok = IncrementalDetokenizer(tokenizer, [5, 6], stop=[stop], min_tokens=m)
+                deltas = []
+                for t in ids:
+                    deltas.append(detok.add(t))
+                    if detok.stopped_by is not None:
+                        break
+                else:
+                    deltas.append(detok.flush())
+                expected = whole[:counted[0] - len(stop)] if counted else whole
+                assert (detok.text, detok.stopped_by) == (expected, stop if counted else None), (text, stop, m)
+                assert "".join(deltas) == detok.text
+                # the case of the bug: a stop string before the boundary, and a token before the
+                # m-th that leaves a character split
+                cases += any(e <= boundary for e in ends) and any(
+                    tokenizer.decode(ids[:k]).endswith("\ufffd") for k in range(1, m))
+    assert cases > 10, "no stop string before min_tokens met a split character: the test tests nothing"
+
+
 def test_stop_string_in_a_token_that_starts_a_character_stops_there(tokenizer):
     """A token can end a stop string and start a multi-byte character (' \\xc3', 'r\\xc3'): the
     request stops at that token. Its text was held back whole until the character completed, so
@@ -710,3 +748,36 @@ def test_final_only_requests_report_once_and_match(engines):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert sorted(o.request_id for o in outs) == sorted(ids) and all(o.finished for o in outs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_stop_string_found_only_at_the_end_is_the_finish_reason(dense_path, tokenizer, async_scheduling):
+    """Found by probing: a stop string that only the end's text completes (U+FFFD, which a
+    character split at max_tokens decodes to) cut the text in flush(), but finish_reason stayed
+    'length' and stop_reason None. The outputs are forced by overriding the logits."""
+    ids = [t for t in range(tokenizer.vocab_size)
+           if tokenizer.decode([t]).endswith("\ufffd") and len(tokenizer.decode([t])) == 2][:1]
+    first = tokenizer(["a"], add_special_tokens=False)["input_ids"][0]
+    assert ids and len(first) == 1, "no 'x' + split-character token in the vocabulary"
+    forced = first + ids                                       # 'a', then a token ending in a split character
+    from pcg_engine.llm import LLM
+    llm = LLM(dense_path, device="cpu", mode="eager", async_scheduling=async_scheduling, num_kv_blocks=32)
+    runner, execute = llm.engine.runner, llm.engine.runner.execute
+    made = []
+
+    def forcing(scheduled, previous_tokens=None):
+        logits, inputs = execute(scheduled, previous_tokens=previous_tokens)
+        logits = logits.clone()
+        for i in range(logits.shape[0]):
+            logits[i] = -1e4
+            logits[i, forced[min(len(made), len(forced) - 1)]] = 1e4
+            made.append(i)
+        return logits, inputs
+    runner.execute = forcing
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0, stop=["\ufffd"]))[0]
+    finally:
+        llm.close()
+    assert out.token_ids == forced
+    assert (out.text, out.finish_reason, out.stop_reason) == (tokenizer.decode(forced).split("\ufffd")[0], "stop",
+                                                              "\ufffd")
