@@ -151,9 +151,16 @@ def check_parents(path: Path) -> None:
     absolute = Path(os.path.abspath(path))
     for parent in dict.fromkeys([*reversed(absolute.parents), *reversed(absolute.resolve().parents)]):
         try:
-            mode = os.stat(parent).st_mode
+            st = os.stat(parent)
         except OSError:
             continue          # not there yet: open() creates it, as this user
+        mode = st.st_mode
+        # Its owner may rename what it holds whatever its mode: a folder another user made (an
+        # XDG_CACHE_HOME under /tmp that someone created first) would let them swap the checked
+        # root for theirs after the checks.
+        if hasattr(os, "getuid") and st.st_uid not in (0, os.getuid()):
+            raise CompileCacheError(f"refusing compile cache directory {path}: {parent} is owned by uid {st.st_uid}, "
+                                    f"who could rename or replace what it holds; choose another compile_cache_dir")
         if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
             raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
                                     f"lets anyone rename or replace what it holds (world-writable, no sticky bit); "
@@ -186,7 +193,7 @@ def _make_private_dirs(path: Path) -> None:
     for folder in reversed(missing):
         try:
             os.mkdir(folder, 0o700)
-        except FileExistsError:     # another start made it meanwhile: check_private judges it
+        except FileExistsError:     # another start made it meanwhile: open()'s checks judge it
             continue
         os.chmod(folder, 0o700)     # mkdir's mode is masked by the umask
 
@@ -212,7 +219,8 @@ def _shared_path_in(entry: Path) -> str | None:
 def _drop_group_and_other_write(entry: Path) -> None:
     """Before an entry is signed: what Inductor and Triton made under a loose umask (0777 folders,
     0666 files) loses group and other write, so the next start's check does not reject the entry.
-    Safe here: the entry was made 0700, so no one else could reach into it during the build."""
+    Safe here: open() made the entry 0700 (a miss creates it so, a hit sets it), so no one else
+    could reach into it while this start wrote."""
     for folder, dirs, names in os.walk(entry):
         for name in dirs + names:
             path = os.path.join(folder, name)
@@ -275,6 +283,9 @@ class CompileCache:
             # is loaded.
             problem = _shared_path_in(self.entry) or self.verify()
             if problem is None:
+                # Private while this start may write into it (a hit adds files: a new KV-cache
+                # shape's trace and Inductor's code, 0777 / 0666 under umask 000) and signs them.
+                os.chmod(self.entry, 0o700)
                 self.state = "hit"
                 return self.state
             self.rejected = problem

@@ -167,8 +167,9 @@ class IncrementalDetokenizer:
             prefix = self._decode(self.context[self.prefix_offset:self.read_offset])
             full = self._decode(self.context[self.prefix_offset:])
             if len(full) > len(prefix):
+                early = self._early(prefix, full)
                 self.read_offset = len(self.context)
-                out = self._append_text(full[len(prefix):])
+                out = self._append_text(full[len(prefix):], early)
         if self.stopped_by is None and self.held:
             out += self.held
             self.text += self.held

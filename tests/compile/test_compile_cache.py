@@ -269,6 +269,29 @@ def test_refuses_dir_owned_by_another_user(tmp_path):
         CompileCache(root, FIELDS).open()
 
 
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to chown")
+def test_refuses_dir_under_a_parent_another_user_owns(tmp_path):
+    """Found by review: a parent folder another user made (an XDG_CACHE_HOME under /tmp that
+    someone created first) passed, as it was 0755. Its owner can rename the checked cache folder
+    away after the checks and put theirs in its place: the saved trace is a pickle."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chown(shared, 65534, 65534)
+    with pytest.raises(CompileCacheError, match=r"shared is owned by uid 65534, who could rename"):
+        CompileCache(shared / "pcg_engine" / "compile", FIELDS).open()
+
+
+def test_a_hit_makes_its_entry_private(tmp_path):
+    """An entry others may enter but not write (0755) is used, and made 0700 for the start: a hit
+    writes new files (Inductor makes them 0777 / 0666 under umask 000) that commit() then signs."""
+    first = _built(tmp_path / "c")
+    os.chmod(first.entry, 0o755)
+    again = CompileCache(tmp_path / "c", FIELDS)
+    assert again.open() == "hit"
+    again.close()
+    assert os.stat(first.entry).st_mode & 0o777 == 0o700
+
+
 def test_sources_edited_after_import_are_not_keyed_as_the_edit(tmp_path):
     """The key's source hash is the code the process imported. It was hashed at the first engine's
     start: a file edited after the import (a notebook's kernel kept alive, a `git pull` under a

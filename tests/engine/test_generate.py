@@ -573,6 +573,34 @@ def test_stop_string_counts_only_where_it_ends_at_the_min_tokens_th_token_or_lat
     assert cases > 10, "no stop string before min_tokens met a split character: the test tests nothing"
 
 
+def test_the_min_tokens_rule_holds_for_a_request_ending_inside_a_character(tokenizer):
+    """The same rule where the output ends (max_tokens) inside a character: flush() searched the
+    held text of tokens before the min_tokens-th too (found by review)."""
+    cases = 0
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for n in range(2, len(ids)):
+            whole = tokenizer.decode(ids[:n])
+            if not whole.endswith("\ufffd"):
+                continue
+            for stop in {" ", "，", "：", "a", "o"} & set(whole):
+                ends = [i + len(stop) for i in range(len(whole)) if whole.startswith(stop, i)]
+                for m in range(1, n + 1):
+                    boundary = len(_text_before_token(tokenizer, ids, m - 1))
+                    counted = [e for e in ends if e > boundary]
+                    detok = IncrementalDetokenizer(tokenizer, [5, 6], stop=[stop], min_tokens=m)
+                    for t in ids[:n]:
+                        detok.add(t)
+                        if detok.stopped_by is not None:
+                            break
+                    else:
+                        detok.flush()
+                    expected = whole[:counted[0] - len(stop)] if counted else whole
+                    assert (detok.text, detok.stopped_by) == (expected, stop if counted else None), (text, n, stop, m)
+                    cases += not counted and bool(ends)
+    assert cases > 10, "no run ended inside a character after an uncounted stop string: the test tests nothing"
+
+
 def test_stop_string_in_a_token_that_starts_a_character_stops_there(tokenizer):
     """A token can end a stop string and start a multi-byte character (' \\xc3', 'r\\xc3'): the
     request stops at that token. Its text was held back whole until the character completed, so
