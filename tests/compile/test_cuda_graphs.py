@@ -189,3 +189,24 @@ def test_non_owning_view_shares_memory(dtype):
     assert torch.equal(v, t)
     base.zero_()
     assert torch.equal(v, t)                           # same memory, not a copy
+
+
+@pytest.mark.parametrize("preset", ["dense", "moe"])
+@pytest.mark.parametrize("mode", ["compile", "piecewise", "full_decode", "full_and_piecewise"])
+def test_bf16_logits_close_to_eager_in_every_mode(gpu_runners, preset, mode):
+    """Issue 5's 'logits close (bf16)': the other tests compare in float32, where the mechanisms must
+    agree tightly; in bf16 Inductor's fused kernels round other intermediates than eager's separate
+    ops, so greedy tokens may flip on a near-tie, but every step's logits stay within bf16's
+    rounding of eager's (a wrong slot, row or bucket is off by the logits' whole size)."""
+    runner = gpu_runners(preset, mode, dtype="bfloat16")
+    eager = gpu_runners(preset, "eager", dtype="bfloat16", attention_backend=runner.backend.name)
+    worst = []
+
+    def check(results, index):
+        (ref, _), (out, _) = results
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        rel = float((out.float() - ref.float()).norm() / ref.float().norm())
+        worst.append(rel)
+        assert rel < 3e-2, f"step {index}: logits off eager's by {rel:.2e} (relative, whole step)"
+    run_workload([eager, runner], check)
+    assert len(worst) == len(SCHEDULE)
