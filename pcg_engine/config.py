@@ -150,7 +150,7 @@ class EngineConfig:
         check("mode", self.mode in MODES + ("auto",), f"{', '.join(MODES)} or auto")
         check("attention_backend", self.attention_backend in ("auto", "torch", "triton"), "auto, torch, triton")
         check("dtype", self.dtype in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
-              "auto, bfloat16, float16, float32")
+              "auto, bfloat16, float16, float32 (or bf16, fp16, fp32)")
         check("max_capture_tokens", is_int(self.max_capture_tokens) and self.max_capture_tokens >= 1,
               "an int >= 1")
         check("kernel_warmup", self.kernel_warmup is None or isinstance(self.kernel_warmup, bool),

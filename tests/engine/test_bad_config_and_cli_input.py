@@ -648,7 +648,7 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
     # the child process's ConfigError traceback, before
     (["startup", "--mode", "piecwise"], "--mode: invalid choice: 'piecwise'"),
     # bench load: torch's AttributeError / RuntimeError tracebacks, before
-    (["load", "--dtype", "bogus"], "error: --dtype (dtype): got 'bogus'; allowed: auto, bfloat16, float16, float32"),
+    (["load", "--dtype", "bogus"], "error: --dtype (dtype): got 'bogus'; allowed: auto, bfloat16, float16, float32 (or bf16, fp16, fp32)"),
     (["load", "--device", "tpu"], "error: --device (device): got 'tpu'; allowed: auto, cpu, cuda or cuda:N"),
     # --input-min was dropped without a word, before
     (["throughput", "--input-len", "5", "--input-min", "7"],
