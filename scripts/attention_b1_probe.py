@@ -110,8 +110,25 @@ def attention_splits(hq, splits):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--contexts", default="",
+                        help="comma-separated key counts: only the attention (engine split count, no PDL) and a "
+                             "copy of its bytes at each, Hq 16 / 32; e.g. 8192,16384,32768,65536 (is 70%% of the "
+                             "ceiling bound by the launch at 8192 and reached at longer contexts?)")
     args = parser.parse_args()
     rows = []
+    if args.contexts:
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            for hq in (16, 32):
+                r = attention(1, ctx, hq, 8, False)
+                rows.append(r)
+                print(json.dumps(r))
+            r = copies(2 * ctx * 8 * 128 * 2)
+            rows.append({"copy_of_ctx": ctx, **r})
+            print(json.dumps(rows[-1]))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "torch": torch.__version__,
+                                                   "device": torch.cuda.get_device_name()}, indent=1))
+        return
     for hq in (16, 32):
         for use_pdl in (False, True):
             r = attention(1, 8192, hq, 8, use_pdl)
