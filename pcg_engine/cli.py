@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -169,8 +170,8 @@ def flag_wording(message: str) -> str:
     "None" / "null" is the API's "leave it to the engine", for which a flag is left out, not typed;
     another field it suggests is named by its flag."""
     message = message.replace("allowed: None or ", "allowed: ").replace(" or null", "")
-    return message.replace("use stop_token_ids", f"use {FLAG_NAMES['stop_token_ids']}").replace(
-        "attention_backend='triton'", "--attention-backend triton")
+    message = message.replace("use stop_token_ids", f"use {FLAG_NAMES['stop_token_ids']}")
+    return re.sub(r"attention_backend='(\w+)'", r"--attention-backend \1", message)
 
 
 def _params_per_prompt(base: dict, overrides: list) -> list:

@@ -61,6 +61,7 @@ from pcg_engine.attention.launch_config import (  # noqa: F401
     host_cdiv, host_next_pow2, kernel_variant)
 
 SEARCH_BLOCK = 128  # requests per vector load when a program looks up its request
+HEAD_DIMS = (16, 32, 64, 128, 256)   # a head is one power-of-two tile (TritonAttentionBackend refuses others)
 # Triton's CPU interpreter computes bf16 tl.dot on the raw bits (garbage); there, and only there,
 # bf16 operands are upcast to fp32 so the CPU tests still check the kernel's logic in bf16.
 _INTERPRET = triton_interpreting()
@@ -307,7 +308,7 @@ def _launch(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs, 
     _check_args(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs)
     T, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
+    assert head_dim in HEAD_DIMS, f"head_dim {head_dim} must be a power of two in 16..256"
     if T == 0:
         return None
     if num_reqs == 0:  # nothing but padding rows

@@ -37,7 +37,8 @@ from pcg_engine.attention.launch_config import (GRAPH_SPLIT_DECODE_TUNING, choos
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.attention.rope_decode_attention import rope_decode_attention
 from pcg_engine.attention.rope_kv import rope_and_write_kv
-from pcg_engine.attention.triton_attention import cached_plan, unified_attention
+from pcg_engine.attention.triton_attention import HEAD_DIMS, cached_plan, unified_attention
+from pcg_engine.errors import ConfigError
 
 # Off by default: in the model it lost on the H200 (session 5 final call, Qwen3-0.6B batch-1 full_decode
 # 1.003 ms a token with it vs 0.927 without, same call), though one layer alone timed faster
@@ -68,6 +69,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, *args, allow_split_kv: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.head_dim not in HEAD_DIMS:
+            # The kernels tile a head in one power-of-two block. A checkpoint whose head_dim the
+            # config accepts (any even one) failed on its first step, on a bare assert.
+            raise ConfigError("attention_backend", f"'triton' runs head_dim {', '.join(map(str, HEAD_DIMS))}; this "
+                                                   f"checkpoint's head_dim is {self.head_dim}: use "
+                                                   "attention_backend='torch' (modes eager, compile or piecewise)")
         self.allow_split_kv = allow_split_kv  # False: never split (either policy)
         self.graphed = False                  # inside capturing()
         self.fuse_rope = False                # inside capturing(fuse_rope=True), switch on

@@ -69,3 +69,22 @@ def test_rope_kv_write_without_metadata_writes_nothing():
     with set_forward_context(ForwardContext(None, [], backend)):
         out = rope_kv_write(q, k, k, torch.zeros(3, dtype=torch.long, device=DEVICE), cache)
     assert torch.equal(out, q) and out.data_ptr() != q.data_ptr() and not cache.any()
+
+
+@pytest.mark.parametrize("head_dim", [24, 48, 80, 96])
+def test_triton_backend_refuses_a_head_dim_its_kernels_do_not_run(head_dim):
+    """Found by the kernel probe: the model config takes any even head_dim, and the Triton backend
+    met one that is not a power of two only at the first step, on a bare assert (gone under
+    python -O). It is refused when the backend is made, naming the backend that runs it; the CLI
+    names the flag (cli.flag_wording)."""
+    from pcg_engine.cli import flag_wording
+    from pcg_engine.errors import ConfigError
+    cos_sin = rope_cache(head_dim, 64, 10000.0, device=DEVICE)
+    with pytest.raises(ConfigError) as e:
+        make_backend("triton", num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16, cos_sin=cos_sin)
+    assert e.value.field == "attention_backend"
+    assert str(e.value) == (f"attention_backend: 'triton' runs head_dim 16, 32, 64, 128, 256; this checkpoint's "
+                            f"head_dim is {head_dim}: use attention_backend='torch' (modes eager, compile or piecewise)")
+    assert flag_wording(str(e.value)).endswith("use --attention-backend torch (modes eager, compile or piecewise)")
+    assert make_backend("torch", num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16,
+                        cos_sin=cos_sin).head_dim == head_dim
