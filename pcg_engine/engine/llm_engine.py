@@ -298,7 +298,12 @@ class LLMEngine:
         return [int(t) for t in ids]                 # numpy integers as plain ints
 
     @_locked
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, missing_ok: bool = False) -> bool:
+        """Finish the request as aborted (its final output comes from the next step()); True.
+        An id that is not an unfinished request is refused, or with missing_ok returns False: a
+        server aborting on a client's disconnect races the thread that steps the engine, and the
+        request may have finished in between (the engine keeps no record of finished ids, so it
+        cannot tell that from a mistyped one)."""
         if self.closed:     # close() dropped every request: not "not a request of this engine"
             raise EngineClosedError("abort_request")
         if not isinstance(request_id, str):
@@ -307,10 +312,14 @@ class LLMEngine:
                                       f"got {request_id!r}")
         request = self.requests.get(request_id)
         if request is None:
-            raise InvalidRequestError("request_id", f"{request_id!r} is not an unfinished request of this engine")
+            if missing_ok:
+                return False
+            raise InvalidRequestError("request_id", f"{request_id!r} is not an unfinished request of this engine "
+                                      "(abort_request(..., missing_ok=True) returns False for it)")
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         self._forget(request)
         self.pending_outputs.append(self._output(request, [], ""))
+        return True
 
     @_locked
     def close(self) -> None:

@@ -204,7 +204,22 @@ def test_abort_of_a_finished_request_is_refused(llm):
     drain(engine)
     with pytest.raises(InvalidRequestError) as info:
         engine.abort_request(rid)
-    assert info.value.field == "request_id"
+    assert info.value.field == "request_id" and "missing_ok=True" in str(info.value)
+    assert_drained(engine)
+
+
+def test_abort_with_missing_ok_tells_a_finished_request_from_an_aborted_one(llm):
+    """A server aborts on a client's disconnect from its own thread while another steps the
+    engine: the request may have just finished. missing_ok=True returns False for it instead of
+    raising (found by a threaded probe: every such abort needed a try/except)."""
+    engine = llm.engine
+    done = engine.add_request(_prompt(), SamplingParams(max_tokens=2, temperature=0))
+    drain(engine)
+    running = engine.add_request(_prompt(), SamplingParams(max_tokens=50, temperature=0))
+    assert engine.abort_request(done, missing_ok=True) is False
+    assert engine.abort_request(running, missing_ok=True) is True
+    assert drain(engine)[running].finish_reason == "abort"
+    assert engine.abort_request(running, missing_ok=True) is False
     assert_drained(engine)
 
 
