@@ -38,7 +38,7 @@ import triton.language as tl
 from pcg_engine.attention.metadata import check_index_tensor
 from pcg_engine.attention.launch_config import _clamp_splits, host_cdiv, kernel_variant
 from pcg_engine.attention.rope_kv import _check_cache, _check_shapes, _head_rms_norm
-from pcg_engine.attention.triton_attention import _INTERPRET, _attend_tiles, _merge_splits_kernel
+from pcg_engine.attention.triton_attention import HEAD_DIMS, _INTERPRET, _attend_tiles, _merge_splits_kernel
 from pcg_engine.kernels import pdl
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
@@ -203,7 +203,7 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     _check_cache(kv_cache, k.shape[1], q.shape[2])   # a one-plane cache had v written past its end
     T, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of two in 16..256"
+    assert head_dim in HEAD_DIMS, f"head_dim {head_dim} must be a power of two in 16..256"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} kv heads"
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(2) == 1
     if not 1 <= num_reqs <= T:

@@ -198,21 +198,31 @@ def _make_private_dirs(path: Path) -> None:
         os.chmod(folder, 0o700)     # mkdir's mode is masked by the umask
 
 
+def _entry_paths(entry: Path):
+    """(path relative to the entry, lstat) of every folder and file inside it, symlinks not followed."""
+    for folder, dirs, names in os.walk(entry):
+        for name in dirs + names:
+            path = os.path.join(folder, name)
+            yield os.path.relpath(path, entry), path, os.lstat(path)
+
+
+_GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
 def _shared_path_in(entry: Path) -> str | None:
     """None when this user owns every folder and file in the entry and none is writable by group
-    or others or is a symlink; else the first that is not (the entry is then rebuilt)."""
+    or others or is a symlink; else the first that is not (the entry is then rebuilt). Lock files
+    are not checked, as _files leaves them out: never loaded."""
     uid = os.getuid() if hasattr(os, "getuid") else None
-    for folder, dirs, names in os.walk(entry):
-        for name in dirs + [n for n in names if not n.endswith(".lock")]:
-            path = os.path.join(folder, name)
-            st = os.lstat(path)
-            where = os.path.relpath(path, entry)
-            if stat.S_ISLNK(st.st_mode):
-                return f"{where} is a symlink"
-            if uid is not None and st.st_uid != uid:
-                return f"{where} is owned by uid {st.st_uid}, not by this user"
-            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                return f"{where} (mode {oct(st.st_mode & 0o777)}) is writable by group or others"
+    for where, _, st in _entry_paths(entry):
+        if where.endswith(".lock") and not stat.S_ISDIR(st.st_mode):
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            return f"{where} is a symlink"
+        if uid is not None and st.st_uid != uid:
+            return f"{where} is owned by uid {st.st_uid}, not by this user"
+        if st.st_mode & _GROUP_OTHER_WRITE:
+            return f"{where} (mode {oct(st.st_mode & 0o777)}) is writable by group or others"
     return None
 
 
@@ -221,12 +231,9 @@ def _drop_group_and_other_write(entry: Path) -> None:
     0666 files) loses group and other write, so the next start's check does not reject the entry.
     Safe here: open() made the entry 0700 (a miss creates it so, a hit sets it), so no one else
     could reach into it while this start wrote."""
-    for folder, dirs, names in os.walk(entry):
-        for name in dirs + names:
-            path = os.path.join(folder, name)
-            st = os.lstat(path)
-            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+    for _, path, st in _entry_paths(entry):
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & _GROUP_OTHER_WRITE:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~_GROUP_OTHER_WRITE)
 
 
 class CompileCache:

@@ -160,19 +160,23 @@ def _rope_theta(raw: dict, where: str) -> float:
 ACTIVATIONS = ("silu", "swish")
 
 
+# transformers' defaults for a config.json that leaves the fields out (Qwen3Config, Qwen3MoeConfig).
+_HF_SLIDING_WINDOW, _HF_MAX_WINDOW_LAYERS = 4096, 28
+
+
 def _windowed_layers(raw: dict) -> str | None:
     """Which layers transformers runs with a sliding window, in words, or None where all attend fully.
     use_sliding_window alone decides nothing: Qwen3Config windows the layers from max_window_layers
     on (when layer_types is not given: that list, checked below, decides then), and only with a
     sliding_window (null: none). Qwen3MoeConfig windows every layer. Published Qwen3 configs set
     use_sliding_window false; a true one with every layer full attention was refused before."""
-    if not raw.get("use_sliding_window") or raw.get("sliding_window", 4096) is None:
+    if not raw.get("use_sliding_window") or raw.get("sliding_window", _HF_SLIDING_WINDOW) is None:
         return None
     if raw.get("model_type") == "qwen3_moe":
         return "every layer"
     if raw.get("layer_types") is not None:
         return None
-    first, layers = raw.get("max_window_layers", 28), raw.get("num_hidden_layers")
+    first, layers = raw.get("max_window_layers", _HF_MAX_WINDOW_LAYERS), raw.get("num_hidden_layers")
     if isinstance(first, int) and isinstance(layers, int) and first >= layers:
         return None
     return f"layers {first} and on (max_window_layers {first}, num_hidden_layers {layers})"
@@ -185,10 +189,12 @@ def _refuse_unsupported(raw: dict, where: str) -> None:
                               f"(allowed: {' or '.join(map(repr, ACTIVATIONS))})")
     windowed = _windowed_layers(raw)
     if windowed:
+        allowed = "false, or sliding_window null"
+        if raw.get("model_type") != "qwen3_moe":
+            allowed += ", or max_window_layers >= num_hidden_layers"
         raise CheckpointError(f"{where}: field 'use_sliding_window' is true with sliding_window "
-                              f"{raw.get('sliding_window', 4096)!r}, so transformers gives {windowed} a sliding "
-                              f"window; pcg-engine implements only full attention (allowed: false, or sliding_window "
-                              f"null{'' if raw.get('model_type') == 'qwen3_moe' else ', or max_window_layers >= num_hidden_layers'})")
+                              f"{raw.get('sliding_window', _HF_SLIDING_WINDOW)!r}, so transformers gives {windowed} a "
+                              f"sliding window; pcg-engine implements only full attention (allowed: {allowed})")
     # transformers 5 writes one entry per layer; a "sliding_attention" one makes that layer's
     # attention windowed, which the attention op does not do.
     layer_types = raw.get("layer_types")
