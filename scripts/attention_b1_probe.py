@@ -107,6 +107,47 @@ def attention_splits(hq, splits):
             "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3), "rel_error": shape.error(splits)}
 
 
+def _layout_inputs(ctx, hq, hk, bs, head_major):
+    """One rotating input set of a B1 decode: the cache as [2, NB, BS, Hk, D] either stored so
+    (token-major: a head's key rows are 256 B pieces Hk x 256 B apart) or stored [2, NB, Hk, BS, D]
+    and viewed permuted (head-major: a head's BS rows of a block are one contiguous run)."""
+    nblk = -(-ctx // bs)
+    if head_major:
+        cache = torch.randn(2, nblk + 1, hk, bs, 128, device="cuda", dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+    else:
+        cache = torch.randn(2, nblk + 1, bs, hk, 128, device="cuda", dtype=torch.bfloat16)
+    table = (torch.randperm(nblk, device="cuda") + 1).view(1, -1).to(torch.int32)
+    qsl = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
+    lens = torch.full((1,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(1, hq, 128, device="cuda", dtype=torch.bfloat16)
+    return q, cache, qsl, lens, table, torch.empty_like(q)
+
+
+def layouts(ctx, hq, hk, bs, head_major):
+    """Issue 4's B1 decode with the KV cache token-major (the engine's) or head-major, at block size bs."""
+    from pcg_engine.attention.torch_backend import paged_attention_reference
+    from pcg_engine.attention.triton_attention import unified_attention
+    splits = choose_num_splits(1, 1, hq, hk, 128, 1, ctx, torch.device("cuda"))
+    sets = [_layout_inputs(ctx, hq, hk, bs, head_major) for _ in range(8)]
+
+    def call(i):
+        q, cache, qsl, lens, table, out = sets[i % 8]
+        unified_attention(q, cache, out, qsl, lens, table, 1, 1, 128 ** -0.5, splits)
+    graph = graph_of_calls(call, 64)
+    us = median_replay_ms(graph, 20) * 1e3 / 64
+    parts = kernel_split(graph, 64)
+    q, cache, qsl, lens, table, out = sets[0]
+    ref = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+    paged_attention_reference(q, cache, qsl.cpu(), lens.cpu(), table, 128 ** -0.5, ref)
+    out.fill_(float("nan"))
+    call(0)
+    err = float((out.float() - ref).norm() / ref.norm()) if torch.isfinite(out).all() else float("inf")
+    nbytes = 2 * ctx * hk * 128 * 2 + 2 * hq * 128 * 2
+    return {"shape": f"B1 ctx{ctx} Hq{hq} Hk{hk}", "block_size": bs, "layout": "head" if head_major else "token",
+            "splits": splits, "us": round(us, 2), "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3),
+            "kernels_us": parts, "rel_error": err}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
@@ -114,8 +155,22 @@ def main():
                         help="comma-separated key counts: only the attention (engine split count, no PDL) and a "
                              "copy of its bytes at each, Hq 16 / 32; e.g. 8192,16384,32768,65536 (is 70%% of the "
                              "ceiling bound by the launch at 8192 and reached at longer contexts?)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="only the attention at 8192 keys, token-major against head-major KV cache, "
+                             "block size 16 / 64 / 128, Hq 16 / 32")
     args = parser.parse_args()
     rows = []
+    if args.layouts:
+        for bs in (16, 64, 128):
+            for head_major in (False, True):
+                for hq in (16, 32):
+                    r = layouts(8192, hq, 8, bs, head_major)
+                    rows.append(r)
+                    print(json.dumps(r))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "torch": torch.__version__,
+                                                   "device": torch.cuda.get_device_name()}, indent=1))
+        return
     if args.contexts:
         for ctx in (int(c) for c in args.contexts.split(",")):
             for hq in (16, 32):
