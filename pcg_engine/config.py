@@ -7,6 +7,7 @@ instead of silently running a default.
 import dataclasses
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,8 +108,10 @@ class EngineConfig:
         # Python numbers they stand for: the checks below, and everything downstream, take those.
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, np.generic) and not isinstance(v, np.bool_):
-                if isinstance(v, np.integer):
+            if isinstance(v, np.generic):
+                if isinstance(v, np.bool_):
+                    setattr(self, f.name, bool(v))
+                elif isinstance(v, np.integer):
                     setattr(self, f.name, int(v))
                 elif isinstance(v, np.floating):
                     setattr(self, f.name, float(v))
@@ -195,6 +198,39 @@ class EngineConfig:
                 how = f"mode {mode!r}" if self.mode == mode else f"mode {self.mode!r}, which runs {mode!r} here,"
                 raise ConfigError(name, f"got {value!r}, but {how} never uses it; allowed: None, or a list "
                                         f"with mode {' or '.join(modes)}")
+
+    def check_settings_used(self, device_type: str, mode: str) -> None:
+        """Settings given (not at their defaults) that this engine never reads were ignored without
+        a word. Two that contradict each other in one config (a KV size from num_kv_blocks and from
+        a fraction or a CPU count) are refused, as on the command line (check_kv_sizing_flags). One
+        that only this device or mode leaves unread gets a warning naming what decides instead, not
+        an error: one config that runs every mode or device (the benchmarks' --modes, tests that
+        compare modes) stays valid."""
+        def given(name):
+            return getattr(self, name) != getattr(EngineConfig, name)
+        if self.num_kv_blocks is not None:
+            for name in ("gpu_memory_utilization", "cpu_kv_blocks"):
+                if given(name):
+                    raise ConfigError(name, f"got {getattr(self, name)!r}, which has no effect with num_kv_blocks "
+                                            f"({self.num_kv_blocks}), which sets the KV cache's size: give one of "
+                                            f"the two")
+        unread = []
+        if given("gpu_memory_utilization") and device_type != "cuda":
+            unread.append(f"gpu_memory_utilization={self.gpu_memory_utilization!r} has no effect on {device_type} "
+                          f"(the KV cache has cpu_kv_blocks={self.cpu_kv_blocks} blocks there)")
+        if given("cpu_kv_blocks") and device_type == "cuda" and self.num_kv_blocks is None:
+            unread.append(f"cpu_kv_blocks={self.cpu_kv_blocks!r} has no effect on CUDA (gpu_memory_utilization="
+                          f"{self.gpu_memory_utilization} sizes the KV cache there)")
+        if given("max_capture_tokens"):
+            if mode not in COMPILED_MODES:
+                unread.append(f"max_capture_tokens={self.max_capture_tokens!r} has no effect in mode {mode!r}, "
+                              f"which compiles nothing (it bounds {', '.join(COMPILED_MODES)})")
+            elif self.cudagraph_buckets is not None:
+                unread.append(f"max_capture_tokens={self.max_capture_tokens!r} has no effect with "
+                              f"cudagraph_buckets (the largest bucket, {max(self.cudagraph_buckets)}, bounds the "
+                              f"graphs)")
+        for message in unread:
+            warnings.warn(f"EngineConfig: {message}", UserWarning, stacklevel=2)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

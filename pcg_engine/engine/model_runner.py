@@ -72,6 +72,7 @@ class ModelRunner:
         _check_max_model_len(config, model_path)   # before the weights: config.json alone decides
         config.check_triton_usable(device.type)
         config.check_buckets_used(config.resolved_mode(device.type))   # mode "auto" is known from here
+        config.check_settings_used(device.type, config.resolved_mode(device.type))
         self.dtype = config.torch_dtype(device.type)
         t0 = time.perf_counter()
         if device.type == "cuda":    # the CUDA context: seconds on a first use, not weight loading

@@ -45,8 +45,8 @@ def test_field_of_the_wrong_type_is_named(field, value, allowed):
 
 def test_numpy_numbers_are_taken_as_the_plain_ones_they_stand_for():
     """Found by probing (session 26): max_num_seqs=np.int64(4) was refused as "got np.int64(4);
-    allowed: 1..4096", a value inside the range it named. numpy's bools stay refused (a flag is
-    True or False, as a Python bool)."""
+    allowed: 1..4096", a value inside the range it named. numpy's bools are the Python bools they
+    stand for too (session 31: np.bool_(True) was refused as "got np.True_; allowed: True or False")."""
     cfg = EngineConfig(max_num_seqs=np.int64(4), block_size=np.int32(32), seed=np.uint8(7),
                        gpu_memory_utilization=np.float32(0.5))
     assert (cfg.max_num_seqs, cfg.block_size, cfg.seed) == (4, 32, 7)
@@ -54,8 +54,11 @@ def test_numpy_numbers_are_taken_as_the_plain_ones_they_stand_for():
     assert type(cfg.gpu_memory_utilization) is float and cfg.gpu_memory_utilization == 0.5
     with pytest.raises(ConfigError, match="max_num_seqs: got 0; allowed: 1..4096"):
         EngineConfig(max_num_seqs=np.int64(0))
+    flags = EngineConfig(enable_prefix_caching=np.bool_(False), async_scheduling=np.bool_(True))
+    assert (flags.enable_prefix_caching, flags.async_scheduling) == (False, True)
+    assert type(flags.enable_prefix_caching) is bool and type(flags.async_scheduling) is bool
     with pytest.raises(ConfigError, match="enable_prefix_caching: got "):
-        EngineConfig(enable_prefix_caching=np.bool_(True))
+        EngineConfig(enable_prefix_caching=np.int64(1))
 
 
 @pytest.mark.parametrize("value", ["", "  "])

@@ -80,3 +80,41 @@ def test_kv_sizing_forward_out_of_memory_names_max_num_batched_tokens(monkeypatc
     assert info.value.field == "max_num_batched_tokens"
     assert ("a step of 262144 tokens ran out of GPU memory beside the weights (3.0 of 80.0 GiB free after it); "
             "allowed: a smaller value") in str(info.value)
+
+
+@pytest.mark.parametrize("setting", [dict(num_kv_blocks=64, gpu_memory_utilization=0.5),
+                                     dict(num_kv_blocks=64, cpu_kv_blocks=128)])
+def test_two_kv_sizes_in_one_config_are_refused(tiny_paths, setting):
+    """Found by probing (session 30): num_kv_blocks silently won over a fraction or a CPU block count
+    given beside it (the command line refused the first pair already)."""
+    other = next(k for k in setting if k != "num_kv_blocks")
+    with pytest.raises(ConfigError, match=f"{other}: got .*no effect with num_kv_blocks \\(64\\).*give one of "
+                                          "the two") as e:
+        make_llm(tiny_paths["tiny-qwen3"], **setting)
+    assert e.value.field == other
+
+
+@pytest.mark.parametrize("setting, mode, words", [
+    (dict(gpu_memory_utilization=0.5), "eager", "gpu_memory_utilization=0.5 has no effect on cpu"),
+    (dict(max_capture_tokens=64), "eager", "max_capture_tokens=64 has no effect in mode 'eager'"),
+    (dict(max_capture_tokens=64, cudagraph_buckets=[2, 8]), "piecewise",
+     "max_capture_tokens=64 has no effect with cudagraph_buckets \\(the largest bucket, 8"),
+])
+def test_a_setting_this_device_or_mode_never_reads_is_named(tiny_paths, setting, mode, words):
+    """Found by probing (session 30): these were accepted and ignored without a word. A warning, not
+    an error: one config that runs every mode or device (the benchmarks' --modes) stays valid, and
+    the engine still serves."""
+    from pcg_engine.sampling_params import SamplingParams
+    with pytest.warns(UserWarning, match=f"EngineConfig: {words}"):
+        llm = make_llm(tiny_paths["tiny-qwen3"], mode=mode, **setting)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))
+    assert len(out[0].token_ids) == 2
+    llm.close()
+
+
+def test_settings_at_their_defaults_or_read_here_warn_nothing(tiny_paths):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="EngineConfig")
+        make_llm(tiny_paths["tiny-qwen3"], mode="eager", cpu_kv_blocks=128, gpu_memory_utilization=0.85).close()
+        make_llm(tiny_paths["tiny-qwen3"], mode="compile", max_capture_tokens=64).close()
