@@ -31,7 +31,8 @@ def _add_generate(sub):
                    help="one prompt per line, or JSONL with a 'prompt' field and, optionally, sampling fields of "
                         "that prompt's own (\"max_tokens\", \"temperature\", ...: any SamplingParams field; the "
                         "flags give the rest); - reads stdin")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template "
+                   "(--json then gives the template's output as chat_prompt beside the prompt)")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens a prompt, at most (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="in [0, 1e6]; default 0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1: off)")
@@ -101,7 +102,9 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
     from pcg_engine.prompt_files import misspelt_field, other_engines_option, parse_json, read_lines
     from pcg_engine.sampling_params import SamplingParams
     names = SamplingParams.field_names()
-    prompts = list(args.prompt)
+    prompts = [_argv_text("--prompt", p) for p in args.prompt]
+    for stop in getattr(args, "stop", None) or ():
+        _argv_text("--stop", stop)
     if sources is not None:
         sources += ["--prompt" if len(prompts) == 1 else f"--prompt #{i + 1}" for i in range(len(prompts))]
     if overrides is not None:
@@ -152,6 +155,36 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
                              "give one prompt or JSON object per line")
         raise SystemExit("give --prompt (repeatable) or --prompts-file")
     return prompts
+
+
+def _argv_text(flag: str, value: str) -> str:
+    """A command-line argument that is not UTF-8 (Python keeps each undecodable byte as a lone
+    surrogate): refused here, naming the flag. Later it failed in the tokenizer as "surrogates not
+    allowed at character N", Python's wording, naming neither the flag nor the bytes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SystemExit(f"{flag}: not UTF-8 text: an undecodable byte at character {e.start + 1} of "
+                         f"{value.encode('utf-8', 'backslashreplace').decode('ascii', 'backslashreplace')[:80]}; "
+                         "give the text in UTF-8") from None
+    return value
+
+
+class OutputFailed(Exception):
+    """Writing the results to stdout failed (a full disk, an I/O error): not the input's fault, so
+    not one of the refusals (exit 2); a traceback told the user nothing they could act on."""
+
+
+def _emit(text: str, flush: bool = False) -> None:
+    """Write results to stdout. A reader that went away (BrokenPipeError) stays main()'s quiet exit."""
+    try:
+        sys.stdout.write(text)
+        if flush:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputFailed(e.strerror or str(e)) from None
 
 
 def _name_the_flag(error: Exception, has_flag) -> str:
@@ -226,6 +259,22 @@ def _dump_graph(llm, directory: str, err) -> None:
     err.print(f"graph: {len(paths)} files in {directory}", soft_wrap=True, markup=False)
 
 
+def _start_words(config: dict) -> str:
+    """What the start does besides loading, for the spinner: it said "capturing graphs" in any mode
+    but eager, also where none are captured (compile; --mode auto or piecewise on the CPU)."""
+    from pcg_engine.config import COMPILED_MODES, EngineConfig
+    try:
+        engine_config = EngineConfig.from_kwargs(**config)
+        device = engine_config.resolved_device().split(":")[0]
+    except Exception:   # the engine's own start refuses it, naming the field
+        return ""
+    mode = engine_config.resolved_mode(device)
+    graphs = device == "cuda" and mode != "compile" and mode != "eager"
+    if mode in COMPILED_MODES:
+        return " and compiling" + (" and capturing graphs" if graphs else "")
+    return " and capturing graphs" if graphs else ""
+
+
 def cmd_generate(args) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -256,6 +305,10 @@ def cmd_generate(args) -> int:
             # start with it compiles its own entry.
             os.environ["PCG_SAVED_TRACE"] = "0"
         t0 = time.perf_counter()
+        if args.model is not None and not args.model.strip():
+            # (it read the working directory: "--model: config.json: missing")
+            raise SystemExit(f"--model: got {args.model!r}; allowed: a checkpoint directory, or leave out --model "
+                             "for the bundled tiny model")
         if args.model is not None and not os.path.isdir(args.model):
             # read_config's reason (no such directory, a file, a preset's name), with the flag: it
             # named the path alone.
@@ -268,7 +321,7 @@ def cmd_generate(args) -> int:
         # and its stop wrote an empty line before the error or the summary.
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=err, transient=True, disable=args.json or not err.is_terminal) as progress:
-            task = progress.add_task("loading model" + (" and capturing graphs" if args.mode != "eager" else ""))
+            task = progress.add_task("loading model" + _start_words(config))
             llm = LLM(args.model, progress=progress, **config)
             progress.update(task, completed=1)
         load_s = time.perf_counter() - t0
@@ -298,7 +351,7 @@ def cmd_generate(args) -> int:
                     # or its raise_exception() refusing the messages, ended in a traceback
                     raise SystemExit(f"--chat: {source}: the chat template of {llm.engine.model_path} failed: "
                                      f"{type(e).__name__}: {e}") from None
-            prompts = chats
+            given, prompts = prompts, chats
         # The tokenizer loads on first use (~0.7 s on the dev VM): before the clock starts where this
         # run uses it (text prompts, outputs to detokenize), so the summary's rates and TTFT time
         # generation alone, whichever comes first to need it.
@@ -316,14 +369,13 @@ def cmd_generate(args) -> int:
                 try:
                     for delta in llm.stream(prompt, params[i]):
                         if not args.json:
-                            sys.stdout.write(delta.new_text)
-                            sys.stdout.flush()
+                            _emit(delta.new_text, flush=True)
                         final = delta
                 except InvalidRequestError as e:
                     e.prompt_index = i      # add_request's refusal of this prompt
                     raise
                 if not args.json:
-                    sys.stdout.write("\n")
+                    _emit("\n")
                 outs.append(final)
         else:
             outs = llm.generate(prompts, params[0] if all(p is params[0] for p in params) else params)
@@ -352,17 +404,20 @@ def cmd_generate(args) -> int:
         # soft_wrap: one line, whatever the terminal's width (logs get grepped)
         err.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True)
         return 2
-    for prompt, out in zip(prompts, outs):
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
         if args.json:
-            obj = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+            # --chat: the prompt as given, and what the template made of it beside it
+            obj = {"prompt": given[i] if args.chat else prompt, **({"chat_prompt": prompt} if args.chat else {}),
+                   "text": out.text, "token_ids": out.token_ids,
                    "finish_reason": out.finish_reason,
                    "ttft_s": out.metrics.ttft,
                    "e2e_s": (out.metrics.finish_time or 0) - out.metrics.arrival_time}
             if out.logprobs is not None:       # --logprobs, or the line's "logprobs"
                 obj["logprobs"] = _json_logprobs(out.logprobs)
-            print(json.dumps(obj))
+            _emit(json.dumps(obj) + "\n")
         elif not args.stream:
-            print(out.text)
+            _emit(out.text + "\n")
+    _emit("", flush=True)   # a write that fails at exit's flush said "Exception ignored" and exit 120
     ntok = sum(len(o.token_ids) for o in outs)
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     err.print(f"[dim]{len(outs)} prompts, {ntok} tokens in {gen_s:.2f} s ({ntok / max(gen_s, 1e-9):.1f} tok/s), "
@@ -440,6 +495,11 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    # Text the terminal's encoding cannot hold (U+FFFD, which models emit often, on an ASCII or
+    # Latin-1 stdout) is written escaped, as Python writes stderr: it raised UnicodeEncodeError, a
+    # traceback, or under --stream an "error:" line as if the input had been refused.
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         # Inside the try: building the sub-commands imports torch (a second or more), and a
         # Ctrl-C then gave a traceback.
@@ -453,11 +513,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:   # Ctrl-C: the shell's convention (128 + SIGINT), not a traceback
         print("pcg: interrupted", file=sys.stderr)
         return 130
+    except OutputFailed as e:
+        print(f"error: cannot write the results to stdout: {e}", file=sys.stderr)
+        _quiet_stdout()
+        return 1
     except BrokenPipeError:
         # The reader went away (`pcg generate --json | head -1`): nothing is left to say to it. Quiet,
         # as other Unix tools are, with the shell's code for SIGPIPE (128 + 13); stdout goes to
         # /dev/null so the interpreter's last flush at exit does not raise it again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _quiet_stdout()
         return 141
     except SystemExit as e:
         if not isinstance(e.code, str):
@@ -466,6 +530,14 @@ def main(argv=None) -> int:
         # engine's own errors give (Python would print it bare and exit 1).
         print(f"error: {e.code}", file=sys.stderr)
         return 2
+
+
+def _quiet_stdout() -> None:
+    """stdout to /dev/null, so the interpreter's last flush at exit does not fail a second time."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):   # a stdout without a descriptor (a test's capture): nothing to flush
+        pass
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def parse_json(line: str, number: int, flag: str):
         raise SystemExit(f"{flag}: line {number}: key {e.key!r} is given twice in one object; which value is "
                          "meant cannot be told") from None
     except json.JSONDecodeError as e:
-        raise SystemExit(f"{flag}: line {number} is not valid JSON ({e.msg}): {line[:80]}") from None
+        # A text prompt that starts with "{" ("{set} theory") is read as JSON too: say how to give it.
+        raise SystemExit(f"{flag}: line {number} is not valid JSON ({e.msg}): {line[:80]} (a line that starts "
+                         "with '{' is read as a JSON object; give such a text prompt as {\"prompt\": \"...\"})") from None
     except (RecursionError, ValueError) as e:   # json's own limits (models/json_file.py says which)
         raise SystemExit(f"{flag}: line {number} is not valid JSON here ({beyond_json_limits(e)}): "
                          f"{line[:80]}") from None

@@ -215,6 +215,10 @@ def test_prompts_file_with_a_byte_order_mark(tmp_path):
 
 @pytest.mark.parametrize("content, expected", [
     (b"ok\n{\"prompt\": \"x\"\n", "line 2 is not valid JSON"),
+    # a text prompt that starts with "{": how to give it (session 31's probe)
+    (b"{set} theory\n", "line 1 is not valid JSON (Expecting property name enclosed in double quotes): {set} "
+                         "theory (a line that starts with '{' is read as a JSON object; give such a text prompt as "
+                         "{\"prompt\": \"...\"})"),
     (b"{\"text\": \"x\"}\n", "line 1: JSONL line without a 'prompt' field"),
     (b"\xff\xfe bad\n", "is not UTF-8 text"),
     # the line, not just the byte offset; a byte-order mark counts in the offset
@@ -733,3 +737,41 @@ def test_generate_names_mode_for_a_full_graph_mode_on_the_torch_backend(capsys):
     from pcg_engine import cli
     assert cli.main(["generate", "--device", "cpu", "--prompt", "hi", "--mode", "full_decode"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: --mode (mode): 'full_decode' replays whole-step")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--prompt", "caf\udce9"], "error: --prompt: not UTF-8 text: an undecodable byte at character 4 of "
+                                 "caf\\udce9; give the text in UTF-8"),
+    (["--prompt", "hi", "--stop", "\udcff"], "error: --stop: not UTF-8 text: an undecodable byte at character 1"),
+    (["--model", "", "--prompt", "hi"], "error: --model: got ''; allowed: a checkpoint directory, or leave out "
+                                        "--model for the bundled tiny model"),
+])
+def test_command_line_text_that_cannot_be_used_is_named(argv, expected, capsys):
+    """Found by probing (session 31): a Latin-1 byte in --prompt or --stop (kept by Python as a lone
+    surrogate) failed in the tokenizer as "surrogates not allowed at character N"; --model "" read
+    the working directory ("--model: config.json: missing")."""
+    from pcg_engine import cli
+    assert cli.main(["generate", "--device", "cpu", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected)
+
+
+def test_chat_json_shows_the_prompt_as_given(tiny_paths, capsys):
+    """Found by probing (session 31): under --chat, --json's "prompt" was the template's output
+    ("<|im_start|>user\\nhi..."), not what the user typed; that is now "chat_prompt" beside it."""
+    from pcg_engine import cli
+    assert cli.main(["generate", "--model", str(tiny_paths["tiny-qwen3"]), "--device", "cpu", "--chat", "--json",
+                     "--prompt", "hi", "--max-tokens", "2"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["prompt"] == "hi"
+    assert "hi" in row["chat_prompt"] and row["chat_prompt"] != "hi"
+
+
+def test_start_spinner_names_only_what_the_start_does():
+    """Found by probing (session 31): the spinner said "capturing graphs" in every mode but eager,
+    also in compile and on the CPU (--mode auto runs eager there), where nothing is captured."""
+    from pcg_engine.cli import _start_words
+    assert _start_words(dict(device="cpu", mode="auto")) == ""
+    assert _start_words(dict(device="cpu", mode="eager")) == ""
+    assert _start_words(dict(device="cpu", mode="compile")) == " and compiling"
+    assert _start_words(dict(device="cpu", mode="piecewise")) == " and compiling"
+    assert _start_words(dict(device="cpu", mode="no such mode")) == ""

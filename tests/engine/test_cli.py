@@ -163,3 +163,30 @@ def test_startup_line_parts():
                                                                           compile_cache_rebuilt=1.0))
     assert "(compile cache directory not writable: not cached)" in _startup_line(
         dict(t, compile_cache_hit=0.0, compile_cache_unwritable=1.0))
+
+
+@pytest.mark.parametrize("flag", [None, "--stream"])
+def test_generate_on_an_ascii_stdout_writes_escapes(cli_env, dense_path, in_process, flag):
+    """Found by probing (session 31): on a stdout whose encoding cannot hold the text (here the
+    second prompt's output holds U+FFFD), `print` raised UnicodeEncodeError, a traceback, and under
+    --stream the error was reported as "error: 'ascii' codec ..." with exit 2, as if the input had
+    been refused. Now the text is written escaped, as Python writes stderr."""
+    assert not in_process[1].text.isascii()      # what makes this test bite
+    env = dict(cli_env, PYTHONIOENCODING="ascii")
+    proc = pcg(env, "--model", str(dense_path), *([flag] if flag else []))
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == "".join(o.text.encode("ascii", "backslashreplace").decode() + "\n" for o in in_process)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("flag", [None, "--json", "--stream"])
+def test_generate_into_a_full_disk_says_so_in_one_line(cli_env, dense_path, flag):
+    """Found by probing (session 31): `pcg generate ... > /dev/full` ended in an OSError traceback."""
+    argv = [sys.executable, "-m", "pcg_engine.cli", "generate", "--device", "cpu", "--max-tokens", "4",
+            "--model", str(dense_path), "--prompt", PROMPTS[0], *([flag] if flag else [])]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(argv, env=cli_env, cwd=REPO, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: cannot write the results to stdout: No space left on device"
