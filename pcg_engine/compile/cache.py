@@ -16,9 +16,16 @@ directories other users could tamper with.
 key = sha256(model config, sha256 of pcg_engine/**/*.py as imported, torch/triton/python versions, device,
 dtype, buckets, mode, fuse/kernels, saved trace on/off, the PCG_* and TORCHINDUCTOR_* settings). At
 start an entry with no manifest (an interrupted build), a manifest for other fields, a missing,
-changed or unlisted file is deleted and rebuilt, never used, with a warning that says why; so is
-an entry with a folder or file inside that another user owns or could write, or a symlink. Only
-what a start wrote itself is hashed into the manifest: a hit never re-signs the files it checked.
+changed or unreadable file is deleted and rebuilt, never used, with a warning that says why; so is
+an entry with a folder or file inside that another user owns or could write, or a symlink, and an
+entry that is a symlink itself. A file the manifest does not list (a start killed while it added
+to a hit, a temporary file) is removed and the verified rest used. Only what a start wrote itself
+is hashed into the manifest: a hit never re-signs the files it checked.
+
+A full disk never leaves a broken entry behind: a manifest that cannot be written leaves the start
+running on what it compiled (compile/setup.py), and a compile that fails for lack of space is a
+CompileCacheError naming compile_cache_dir; either way the half-built entry is removed. A start
+that waits on the key's lock (another start builds the entry) says so.
 """
 
 import contextlib
@@ -226,6 +233,17 @@ def _shared_path_in(entry: Path) -> str | None:
     return None
 
 
+def _remove_tree(entry: Path) -> None:
+    """shutil.rmtree, after giving this user write on its own folders in the entry (one made read-
+    only stopped the delete halfway, leaving a broken entry for every later start). A folder of
+    another user is left as it is: rmtree then fails on it, and the caller says where."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for _, path, st in _entry_paths(entry):
+        if stat.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid) and not st.st_mode & stat.S_IWUSR:
+            os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
+    shutil.rmtree(entry)
+
+
 def _drop_group_and_other_write(entry: Path) -> None:
     """Before an entry is signed: what Inductor and Triton made under a loose umask (0777 folders,
     0666 files) loses group and other write, so the next start's check does not reject the entry.
@@ -282,7 +300,11 @@ class CompileCache:
             raise
 
     def _open_entry(self) -> str:
-        if self.entry.exists():
+        if os.path.islink(self.entry):
+            # The entry itself a symlink (its checks below would follow it, and a hit load from
+            # wherever it points): the link is removed and the entry built afresh in its place.
+            self._reject("the entry is a symlink", self.entry.unlink)
+        elif self.entry.exists():
             check_private(self.entry)
             # Every folder and file inside too: the entry's own mode does not stop another user
             # from writing into a folder below it that they can reach and write (Inductor makes
@@ -295,15 +317,23 @@ class CompileCache:
                 os.chmod(self.entry, 0o700)
                 self.state = "hit"
                 return self.state
-            self.rejected = problem
-            # Said, not only counted (timings' compile_cache_rebuilt): a start that was to be warm
-            # compiles for minutes, and a damaged cache is worth knowing about.
-            warnings.warn(f"compile cache entry {self.entry} not used ({problem}): deleted, compiling afresh")
-            shutil.rmtree(self.entry)
+            self._reject(problem, lambda: _remove_tree(self.entry))
         os.makedirs(self.entry, mode=0o700)
         os.chmod(self.entry, 0o700)
         self.state = "miss"
         return self.state
+
+    def _reject(self, problem: str, remove) -> None:
+        self.rejected = problem
+        try:
+            remove()
+        except OSError as e:
+            raise CompileCacheError(f"compile cache entry {self.entry} is not usable ({problem}) and cannot be "
+                                    f"deleted: {e.filename or self.entry}: {e.strerror or e}; delete it by hand, "
+                                    "choose another directory (or compile_cache=False)") from None
+        # Said, not only counted (timings' compile_cache_rebuilt): a start that was to be warm
+        # compiles for minutes, and a damaged cache is worth knowing about.
+        warnings.warn(f"compile cache entry {self.entry} not used ({problem}): deleted, compiling afresh")
 
     def verify(self) -> str | None:
         """None when the entry is complete and unchanged, else what is wrong with it."""
@@ -321,13 +351,26 @@ class CompileCache:
         if fields != self.fields:
             return "manifest written for other versions or settings"
         present = {str(p.relative_to(self.entry)) for p in _files(self.entry)}
-        if present != set(files):
-            extra, missing = present - set(files), set(files) - present
-            return f"files differ from the manifest (unlisted {sorted(extra)[:3]}, missing {sorted(missing)[:3]})"
+        missing = set(files) - present
+        if missing:
+            return f"files missing from the entry ({sorted(missing)[:3]})"
         for name, (size, sha256) in files.items():
             p = self.entry / name
-            if p.stat().st_size != size or _sha256(p) != sha256:
-                return f"checksum mismatch in {name}"
+            try:
+                if p.stat().st_size != size or _sha256(p) != sha256:
+                    return f"checksum mismatch in {name}"
+            except OSError as e:       # chmod 000, an I/O error: not "cannot write" the directory
+                return f"unreadable file {name} ({e.strerror or e})"
+        # Files the manifest does not list: a start killed while it added to a hit (a new KV
+        # shape's trace, Inductor's code of a new piece), a temporary file of an interrupted write,
+        # or anything planted. None is loaded once removed (a listed file is what the entry was
+        # signed as), so the verified rest stays a hit: rejecting the whole entry for them cost a
+        # full cold compile.
+        for name in sorted(present - set(files)):
+            try:
+                os.unlink(self.entry / name)
+            except OSError as e:
+                return f"unlisted file {name} cannot be removed ({e.strerror or e})"
         self._verified = manifest["files"]
         return None
 
@@ -339,9 +382,16 @@ class CompileCache:
         self._lock_fd = os.open(self.root / f"{self.key}.lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
             import fcntl
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         except ImportError:  # pragma: no cover - no POSIX locks: builds are not serialised
-            pass
+            return
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # Another start holds it (building this entry, or stopped while it did): said, since
+            # the wait has no end of its own and printed nothing.
+            warnings.warn(f"waiting for another start that holds {self.root / (self.key + '.lock')} (it builds "
+                          f"or checks compile cache entry {self.entry}); compile_cache=False starts without it")
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -372,6 +422,12 @@ class CompileCache:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.entry / MANIFEST)
+
+    def abandon(self) -> None:
+        """A build that cannot be completed (no space left): its files are removed, so they free
+        the space they took; the next start rebuilds the entry (it has no manifest either way)."""
+        with contextlib.suppress(OSError):
+            _remove_tree(self.entry)
 
     @contextlib.contextmanager
     def activate(self):

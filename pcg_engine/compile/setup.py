@@ -17,6 +17,8 @@ On CUDA the compiled forward runs once at the largest bucket (Dynamo + Inductor)
 is captured largest first into one shared pool: the piecewise graphs, then the full decode graphs.
 """
 
+import errno
+import shutil
 import tempfile
 import time
 import warnings
@@ -131,6 +133,22 @@ def _open_cache(runner, buckets, decode_buckets):
     return cache, cache.activate()
 
 
+def _out_of_space(error: BaseException, where: Path) -> bool:
+    """Whether a compile failed because the disk under the cache is full: an ENOSPC / EDQUOT
+    OSError among the error's causes, or (a compiler subprocess's failure carries no errno) less
+    than 1 MiB left there."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    try:
+        return shutil.disk_usage(where).free < (1 << 20)
+    except OSError:
+        return False
+
+
 def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets, construct_s: float) -> None:
     """Dynamo and Inductor: the compiled forward's first run, under the compile cache; records
     their timings (construct_s: making `forward`, which imports Dynamo)."""
@@ -144,13 +162,31 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
         forward.saved_trace = (str(path), "load" if cache.state == "hit" and path.exists() else "save")
     before = inductor_cache_counters()
     try:
-        with cache_ctx:
-            # Trace and compile at the largest size the runner will graph (Inductor's size hint).
-            trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens, config.max_num_batched_tokens),
-                               MIN_TRACED_TOKENS)
-            _dummy_forward(runner, forward, trace_tokens)
+        try:
+            with cache_ctx:
+                # Trace and compile at the largest size the runner will graph (Inductor's size hint).
+                trace_tokens = max(buckets[-1] if buckets else min(config.max_capture_tokens,
+                                                                   config.max_num_batched_tokens), MIN_TRACED_TOKENS)
+                _dummy_forward(runner, forward, trace_tokens)
+        except Exception as e:
+            if cache is None or not _out_of_space(e, cache.entry):
+                raise
+            # Inductor's own writes into the entry failed (an OSError inside its errors, or a C++
+            # compiler that could not write its output): a traceback from deep in Inductor, and the
+            # next start deleted the half-built entry, compiled again and failed again.
+            cache.abandon()
+            raise CompileCacheError(f"no space left on the device of {cache.root} while compiling into it; free "
+                                    "space there, choose another directory (or compile_cache=False)") from None
         if cache is not None:
-            cache.commit(written=[forward.saved_trace_written] if forward.saved_trace_written else [])
+            try:
+                cache.commit(written=[forward.saved_trace_written] if forward.saved_trace_written else [])
+            except OSError as e:
+                # The compiled forward is in memory: this start goes on. The entry keeps no
+                # manifest, so the next start rebuilds it (compile/cache.py).
+                cache.abandon()
+                warnings.warn(f"compile cache entry {cache.entry} not saved ({e.strerror or e}); the next start "
+                              "compiles again")
+                timings["compile_cache_unsaved"] = 1.0
     finally:
         if cache is not None:
             cache.close()

@@ -45,7 +45,6 @@ def test_second_open_is_a_hit(tmp_path):
     (lambda e: (e / "triton" / "kernel.bin").write_bytes(b"\x00"), "checksum"),
     (lambda e: (e / MANIFEST).unlink(), "no manifest"),
     (lambda e: (e / MANIFEST).write_text("{not json"), "unreadable manifest"),
-    (lambda e: (e / "inductor" / "planted.py").write_text("x = 1\n"), "unlisted"),
     (lambda e: (e / "triton" / "kernel.bin").unlink(), "missing"),
     # One bit flipped in the manifest ("size" -> "sizg", "sha256" -> "sha254"): still valid JSON,
     # but a file's record lacks its field (a KeyError out of the start before).
@@ -581,3 +580,159 @@ def test_unusable_cache_path_is_named_as_the_config_field(tmp_path, capsys, monk
     # (generate has a --compile-cache-dir flag since 28a4b03: the error names it, as it names --max-tokens)
     assert err.startswith("error: --compile-cache-dir (compile_cache_dir): refusing compile cache directory")
     assert "0o777" in err
+
+
+def test_unlisted_files_are_removed_and_the_rest_still_hits(tmp_path):
+    """Found by probing (session 31): a start killed while it added to a hit (a new KV shape's
+    trace) or a stray temporary file left an unlisted file, and the next start threw the whole
+    verified entry away for a full cold compile. Unlisted files are removed (none is ever loaded
+    then); the listed ones, checked, stay a hit. A planted file is removed the same way."""
+    first = _built(tmp_path / "c")
+    (first.entry / "inductor" / "planted.py").write_text("x = 1\n")
+    (first.entry / "trace-kv64x16.bin").write_bytes(b"half a trace")
+    (first.entry / (MANIFEST + ".tmp")).write_text("{")
+    again = CompileCache(tmp_path / "c", FIELDS)
+    assert again.open() == "hit" and again.rejected is None
+    assert not (first.entry / "inductor" / "planted.py").exists()
+    assert not (first.entry / "trace-kv64x16.bin").exists() and not (first.entry / (MANIFEST + ".tmp")).exists()
+    assert (first.entry / "inductor" / "ab" / "graph.py").read_text() == "print('compiled')\n"
+
+
+def test_an_unreadable_file_rejects_the_entry(tmp_path, monkeypatch):
+    """Found by probing (session 31): a file verify() could not read (chmod 000) raised out of the
+    check, reported as "cannot write ...; make <root> writable", and every later start ran without
+    the cache. It is now a bad entry, rebuilt. (Made unreadable by a patch: root reads any mode.)"""
+    from pcg_engine.compile import cache as cache_mod
+    first = _built(tmp_path / "c")
+    real = cache_mod._sha256
+
+    def refuse(path):
+        if path.name == "kernel.bin":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+    monkeypatch.setattr(cache_mod, "_sha256", refuse)
+    again = CompileCache(tmp_path / "c", FIELDS)
+    with pytest.warns(UserWarning, match="unreadable file triton/kernel.bin \\(Permission denied\\)"):
+        assert again.open() == "miss"
+    assert list(again.entry.iterdir()) == [] and first.entry == again.entry
+
+
+def test_a_rejected_entry_with_a_read_only_folder_is_deleted_whole(tmp_path, monkeypatch):
+    """Found by probing (session 31): a folder of the entry made read-only stopped the delete of a
+    bad entry halfway ("cannot write main.cpp", a bare name), leaving a broken entry for every
+    later start. This user's folders get write back first. (rmtree is watched rather than relied
+    on to fail: root deletes whatever the modes.)"""
+    from pcg_engine.compile import cache as cache_mod
+    first = _built(tmp_path / "c")
+    (first.entry / "inductor" / "ab" / "graph.py").write_text("print('evil')\n")
+    os.chmod(first.entry / "inductor" / "ab", 0o500)
+    modes = {}
+    real = cache_mod.shutil.rmtree
+
+    def watched(path, *args, **kwargs):
+        modes.update({d: os.stat(os.path.join(d)).st_mode & 0o777
+                      for d, _, _ in os.walk(path)})
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(cache_mod.shutil, "rmtree", watched)
+    again = CompileCache(tmp_path / "c", FIELDS)
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        assert again.open() == "miss"
+    assert modes[str(first.entry / "inductor" / "ab")] & 0o700 == 0o700
+    assert list(again.entry.iterdir()) == []
+
+
+def test_a_failed_delete_names_the_entry_and_the_path(tmp_path, monkeypatch):
+    from pcg_engine.compile import cache as cache_mod
+    first = _built(tmp_path / "c")
+    (first.entry / "triton" / "kernel.bin").write_bytes(b"\x00")
+
+    def fail(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(first.entry / "triton" / "kernel.bin"))
+    monkeypatch.setattr(cache_mod.shutil, "rmtree", fail)
+    with pytest.raises(CompileCacheError, match=f"compile_cache_dir: compile cache entry {first.entry} is not usable "
+                                                "\\(checksum mismatch in triton/kernel.bin\\) and cannot be deleted: "
+                                                f"{first.entry}/triton/kernel.bin: Permission denied; delete it by hand"):
+        CompileCache(tmp_path / "c", FIELDS).open()
+
+
+def test_an_entry_that_is_a_symlink_is_replaced(tmp_path):
+    """Found by probing (session 31): an entry that was itself a symlink passed the symlink rule
+    (its checks followed the link) and a hit loaded from outside the checked root; damaged as well,
+    every start was refused with "Cannot call rmtree on a symbolic link; make <root> writable"."""
+    first = _built(tmp_path / "c")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(first.entry), str(elsewhere))
+    os.symlink(elsewhere, first.entry)
+    again = CompileCache(tmp_path / "c", FIELDS)
+    with pytest.warns(UserWarning, match="the entry is a symlink"):
+        assert again.open() == "miss"
+    assert not os.path.islink(again.entry) and list(again.entry.iterdir()) == []
+    assert (elsewhere / "inductor" / "ab" / "graph.py").exists()      # the link's target is not touched
+
+
+def test_waiting_for_another_start_is_said(tmp_path):
+    """Found by probing (session 31): a start that waited on another's build (or on one stopped
+    with SIGSTOP) printed nothing however long it waited."""
+    builder = CompileCache(tmp_path / "c", FIELDS)
+    assert builder.open() == "miss"
+
+    def finish():
+        (builder.entry / "inductor").mkdir()
+        (builder.entry / "inductor" / "graph.py").write_text("x = 1\n")
+        builder.commit()
+        builder.close()
+    timer = threading.Timer(0.5, finish)
+    timer.start()
+    waiter = CompileCache(tmp_path / "c", FIELDS)
+    with pytest.warns(UserWarning, match=f"waiting for another start that holds .*{builder.key}.lock"):
+        assert waiter.open() == "hit"
+    waiter.close()
+    timer.join()
+
+
+def test_a_manifest_that_cannot_be_written_does_not_stop_the_start(tiny_dense, tmp_path, dense_eager, monkeypatch):
+    """Found by probing (session 31): a full disk failed commit() with an OSError traceback after
+    everything had compiled, and the next start deleted the half-written entry, compiled and failed
+    again. The start goes on with what it compiled; the entry is removed (its space freed)."""
+    import errno
+    root = tmp_path / "c"
+
+    def full(self, written=()):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(CompileCache, "commit", full)
+    with pytest.warns(UserWarning, match="not saved \\(No space left on device\\); the next start compiles again"):
+        runner = make_runner(tiny_dense, "compile", compile_cache_dir=str(root))
+    assert runner.timings["compile_cache_unsaved"] == 1.0
+    assert [p for p in root.iterdir() if not p.name.endswith(".lock")] == []
+    _same_as(dense_eager, runner)
+
+
+def test_a_compile_out_of_space_names_the_cache_dir(tiny_dense, tmp_path, monkeypatch):
+    """Found by probing (session 31): Inductor failing to write into the entry on a full disk ended
+    in an InductorError traceback, on every start. Now one ConfigError-like line naming
+    compile_cache_dir, and the half-built entry is removed, freeing what it took."""
+    import errno
+    from pcg_engine.compile import setup
+    root = tmp_path / "c"
+
+    def fail(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("InductorError: OSError") from e
+    monkeypatch.setattr(setup, "_dummy_forward", fail)
+    with pytest.raises(CompileCacheError, match="^compile_cache_dir: no space left on the device of .* while "
+                                                "compiling into it; free space there") as info:
+        make_runner(tiny_dense, "compile", compile_cache_dir=str(root))
+    assert info.value.field == "compile_cache_dir"
+    assert [p for p in root.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_other_compile_failures_are_not_blamed_on_the_disk(tiny_dense, tmp_path, monkeypatch):
+    from pcg_engine.compile import setup
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a bug in a piece")
+    monkeypatch.setattr(setup, "_dummy_forward", fail)
+    with pytest.raises(RuntimeError, match="a bug in a piece"):
+        make_runner(tiny_dense, "compile", compile_cache_dir=str(tmp_path / "c"))
