@@ -238,9 +238,15 @@ def _remove_tree(entry: Path) -> None:
     only stopped the delete halfway, leaving a broken entry for every later start). A folder of
     another user is left as it is: rmtree then fails on it, and the caller says where."""
     uid = os.getuid() if hasattr(os, "getuid") else None
-    for _, path, st in _entry_paths(entry):
-        if stat.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid) and not st.st_mode & stat.S_IWUSR:
+
+    def owner_rwx(path, st):
+        # read and search too: a folder without them cannot be walked or emptied
+        if stat.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid) and \
+                st.st_mode & stat.S_IRWXU != stat.S_IRWXU:
             os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
+    owner_rwx(entry, os.lstat(entry))
+    for _, path, st in _entry_paths(entry):     # a folder is fixed before the walk enters it
+        owner_rwx(path, st)
     shutil.rmtree(entry)
 
 
@@ -306,15 +312,17 @@ class CompileCache:
             self._reject("the entry is a symlink", self.entry.unlink)
         elif self.entry.exists():
             check_private(self.entry)
+            # Ours and no one else's (checked), made 0700: private while this start may write into
+            # it (a hit adds files: a new KV-cache shape's trace and Inductor's code, 0777 / 0666
+            # under umask 000, and signs them), and deletable if rejected where this user made it
+            # read-only.
+            os.chmod(self.entry, 0o700)
             # Every folder and file inside too: the entry's own mode does not stop another user
             # from writing into a folder below it that they can reach and write (Inductor makes
             # its folders 0777 under umask 000), after verify() has read the file and before it
             # is loaded.
             problem = _shared_path_in(self.entry) or self.verify()
             if problem is None:
-                # Private while this start may write into it (a hit adds files: a new KV-cache
-                # shape's trace and Inductor's code, 0777 / 0666 under umask 000) and signs them.
-                os.chmod(self.entry, 0o700)
                 self.state = "hit"
                 return self.state
             self._reject(problem, lambda: _remove_tree(self.entry))
@@ -328,9 +336,11 @@ class CompileCache:
         try:
             remove()
         except OSError as e:
+            # unwritable: a read-only root (chmod 500) starts without the cache, as before (setup.py)
             raise CompileCacheError(f"compile cache entry {self.entry} is not usable ({problem}) and cannot be "
                                     f"deleted: {e.filename or self.entry}: {e.strerror or e}; delete it by hand, "
-                                    "choose another directory (or compile_cache=False)") from None
+                                    "choose another directory (or compile_cache=False)",
+                                    unwritable=e.errno in _UNWRITABLE) from None
         # Said, not only counted (timings' compile_cache_rebuilt): a start that was to be warm
         # compiles for minutes, and a damaged cache is worth knowing about.
         warnings.warn(f"compile cache entry {self.entry} not used ({problem}): deleted, compiling afresh")

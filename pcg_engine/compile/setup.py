@@ -133,16 +133,24 @@ def _open_cache(runner, buckets, decode_buckets):
     return cache, cache.activate()
 
 
+# A C++ compiler run by Inductor that fails to write its output raises these, without an errno.
+_COMPILER_FAILURES = ("CppCompileError", "CalledProcessError")
+
+
 def _out_of_space(error: BaseException, where: Path) -> bool:
     """Whether a compile failed because the disk under the cache is full: an ENOSPC / EDQUOT
-    OSError among the error's causes, or (a compiler subprocess's failure carries no errno) less
-    than 1 MiB left there."""
-    seen = set()
+    OSError among the error's causes, or a compiler subprocess's failure (no errno) with less than
+    1 MiB left there. Any other error (a model bug, out of GPU memory) is not, however full the
+    disk: it is raised as it is."""
+    seen, compiler = set(), False
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
+        compiler = compiler or type(error).__name__ in _COMPILER_FAILURES
         error = error.__cause__ or error.__context__
+    if not compiler:
+        return False
     try:
         return shutil.disk_usage(where).free < (1 << 20)
     except OSError:
@@ -173,17 +181,23 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
                 raise
             # Inductor's own writes into the entry failed (an OSError inside its errors, or a C++
             # compiler that could not write its output): a traceback from deep in Inductor, and the
-            # next start deleted the half-built entry, compiled again and failed again.
-            cache.abandon()
-            raise CompileCacheError(f"no space left on the device of {cache.root} while compiling into it; free "
-                                    "space there, choose another directory (or compile_cache=False)") from None
+            # next start deleted the half-built entry, compiled again and failed again. A new
+            # entry is removed, freeing what it took; a hit's stays (its verified files are good,
+            # what this start added is unlisted and removed by the next start's check).
+            if cache.state == "miss":
+                cache.abandon()
+            raise CompileCacheError(f"no space left on the device of {cache.root} while compiling into it "
+                                    f"({type(e).__name__}); free space there, choose another directory (or "
+                                    "compile_cache=False)") from e
         if cache is not None:
             try:
                 cache.commit(written=[forward.saved_trace_written] if forward.saved_trace_written else [])
             except OSError as e:
-                # The compiled forward is in memory: this start goes on. The entry keeps no
-                # manifest, so the next start rebuilds it (compile/cache.py).
-                cache.abandon()
+                # The compiled forward is in memory: this start goes on. A new entry has no
+                # manifest and is removed (its space freed; the next start rebuilds it); a hit keeps
+                # its verified manifest, and the next start removes what this one added unlisted.
+                if cache.state == "miss":
+                    cache.abandon()
                 warnings.warn(f"compile cache entry {cache.entry} not saved ({e.strerror or e}); the next start "
                               "compiles again")
                 timings["compile_cache_unsaved"] = 1.0

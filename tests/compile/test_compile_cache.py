@@ -626,6 +626,7 @@ def test_a_rejected_entry_with_a_read_only_folder_is_deleted_whole(tmp_path, mon
     first = _built(tmp_path / "c")
     (first.entry / "inductor" / "ab" / "graph.py").write_text("print('evil')\n")
     os.chmod(first.entry / "inductor" / "ab", 0o500)
+    os.chmod(first.entry / "triton", 0o300)        # no read: it could not be walked or emptied
     modes = {}
     real = cache_mod.shutil.rmtree
 
@@ -638,6 +639,7 @@ def test_a_rejected_entry_with_a_read_only_folder_is_deleted_whole(tmp_path, mon
     with pytest.warns(UserWarning, match="checksum mismatch"):
         assert again.open() == "miss"
     assert modes[str(first.entry / "inductor" / "ab")] & 0o700 == 0o700
+    assert modes[str(first.entry / "triton")] & 0o700 == 0o700
     assert list(again.entry.iterdir()) == []
 
 
@@ -722,7 +724,7 @@ def test_a_compile_out_of_space_names_the_cache_dir(tiny_dense, tmp_path, monkey
             raise RuntimeError("InductorError: OSError") from e
     monkeypatch.setattr(setup, "_dummy_forward", fail)
     with pytest.raises(CompileCacheError, match="^compile_cache_dir: no space left on the device of .* while "
-                                                "compiling into it; free space there") as info:
+                                                "compiling into it \\(RuntimeError\\); free space there") as info:
         make_runner(tiny_dense, "compile", compile_cache_dir=str(root))
     assert info.value.field == "compile_cache_dir"
     assert [p for p in root.iterdir() if not p.name.endswith(".lock")] == []
@@ -736,3 +738,63 @@ def test_other_compile_failures_are_not_blamed_on_the_disk(tiny_dense, tmp_path,
     monkeypatch.setattr(setup, "_dummy_forward", fail)
     with pytest.raises(RuntimeError, match="a bug in a piece"):
         make_runner(tiny_dense, "compile", compile_cache_dir=str(tmp_path / "c"))
+
+
+def test_a_rejected_entry_under_a_read_only_root_starts_without_the_cache(tmp_path, monkeypatch):
+    """Found by review (session 31): a rejected entry that cannot be deleted (a root made chmod 500)
+    stopped the start; it starts without the cache, as an unwritable root does (setup.py)."""
+    import errno
+    from pcg_engine.compile import cache as cache_mod
+    first = _built(tmp_path / "c")
+    (first.entry / MANIFEST).unlink()
+
+    def fail(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    monkeypatch.setattr(cache_mod.shutil, "rmtree", fail)
+    with pytest.raises(CompileCacheError, match="cannot be deleted") as info:
+        CompileCache(tmp_path / "c", FIELDS).open()
+    assert info.value.unwritable
+
+
+def test_a_hit_that_cannot_sign_what_it_added_keeps_its_entry(tiny_dense, tmp_path, dense_eager, monkeypatch):
+    """Found by review (session 31): a hit adding a new KV shape's trace whose manifest write failed
+    (a full disk) deleted the whole verified entry, and the next start compiled cold. The entry
+    stays; the next start removes the unlisted trace and hits."""
+    import errno
+    root = tmp_path / "c"
+    make_runner(tiny_dense, "compile", compile_cache_dir=str(root), num_kv_blocks=64)
+    real = CompileCache.commit
+
+    def full(self, written=()):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(CompileCache, "commit", full)
+    with pytest.warns(UserWarning, match="not saved"):
+        other_shape = make_runner(tiny_dense, "compile", compile_cache_dir=str(root), num_kv_blocks=48)
+    assert other_shape.timings["compile_cache_hit"] == 1.0
+    monkeypatch.setattr(CompileCache, "commit", real)
+    again = make_runner(tiny_dense, "compile", compile_cache_dir=str(root), num_kv_blocks=64)
+    assert again.timings["compile_cache_hit"] == 1.0 and again.timings["saved_trace_loaded"] == 1.0
+    _same_as(dense_eager, again)
+
+
+def test_a_model_error_on_a_full_disk_is_raised_as_it_is(tiny_dense, tmp_path, monkeypatch):
+    """Found by review (session 31): any compile error on a disk with < 1 MiB free was reported as
+    "no space left", hiding it. Only an ENOSPC among its causes, or a compiler's failure, is."""
+    import collections
+    from pcg_engine.compile import setup
+    monkeypatch.setattr(setup.shutil, "disk_usage", lambda p: collections.namedtuple("U", "total used free")(1, 1, 0))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a bug in a piece")
+    monkeypatch.setattr(setup, "_dummy_forward", fail)
+    with pytest.raises(RuntimeError, match="a bug in a piece"):
+        make_runner(tiny_dense, "compile", compile_cache_dir=str(tmp_path / "c"))
+
+    class CppCompileError(RuntimeError):
+        pass
+
+    def compiler(*args, **kwargs):
+        raise CppCompileError("g++ failed")
+    monkeypatch.setattr(setup, "_dummy_forward", compiler)
+    with pytest.raises(CompileCacheError, match=r"no space left .*\(CppCompileError\)"):
+        make_runner(tiny_dense, "compile", compile_cache_dir=str(tmp_path / "d"))
