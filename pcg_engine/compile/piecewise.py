@@ -26,6 +26,7 @@ T = 0 never reaches the compiled graph (the runner has no empty step); it runs t
 import contextlib
 import functools
 import time
+import types
 import warnings
 
 import torch
@@ -38,9 +39,27 @@ from pcg_engine.compile.replay_program import RecordingOp, ReplayProgram, Tape
 MIN_TRACED_TOKENS = 1     # the smallest T the compiled graph serves (the unbacked dim covers 1)
 
 
+def _own_forward(model):
+    """model.forward, as a method of a function with a copy of its code object of its own.
+
+    Dynamo keeps what it compiles for a function on the code object (cache entries, guards, and
+    through them the graph, its FakeTensors and the backend). With the class's own code object,
+    every engine of a process compiled without the saved trace (compile_cache=False, PCG_SAVED_TRACE=0)
+    added an entry there that closing the engine never removed: ~8,000 objects kept for each
+    closed engine, and the 65th start failed with FailOnRecompileLimitHit (the limit raised below).
+    A copy lives as long as its engine's CompiledForward, and its entries go with it."""
+    bound = model.forward
+    func = bound.__func__
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__, own.__qualname__, own.__module__ = func.__kwdefaults__, func.__qualname__, func.__module__
+    return types.MethodType(own, model)
+
+
 def _raise_recompile_limit(at_least: int = 64):
-    """Each runner's model is a new `self` for the same forward code object; tests and benchmarks
-    build many runners in one process, and Dynamo's per-code limit (8) would silently fall back."""
+    """Each runner's model is a new `self` for the same forward code (_own_forward copies it per
+    runner, but a runner may trace more than once: a saved trace that failed to load, then a plain
+    trace); Dynamo's per-code limit (8) would silently fall back."""
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):
@@ -68,7 +87,7 @@ class CompiledForward:
                                   wrap_splitting=wrap_op)
         _raise_recompile_limit()
         with saved_trace.aot_enabled() if saved_trace.enabled() else contextlib.nullcontext():
-            self._compiled = torch.compile(model.forward, backend=self.backend, fullgraph=True, dynamic=False,
+            self._compiled = torch.compile(_own_forward(model), backend=self.backend, fullgraph=True, dynamic=False,
                                            options={"guard_filter_fn": saved_trace.guard_filter})
         self._forward = self._compiled      # what a call after the first runs (a loaded trace: its function)
         self.first_call_s: float | None = None

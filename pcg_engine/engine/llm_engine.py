@@ -450,7 +450,6 @@ class LLMEngine:
         batch.sync_rows(plan.scheduled, self.block_manager.block_table)
         previous = self.inflight.sampled.token_ids if self.inflight is not None else None
         logits, inputs = self.runner.execute(plan.scheduled, previous_tokens=previous)
-        self.scheduler.update_after_step(plan.scheduled)
         if self._full_sampler_rows:
             rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
             sampled = self.sampler(logits, self.sampling.select(rows))
@@ -465,6 +464,12 @@ class LLMEngine:
         else:
             sampled = SamplerOutput(token_ids=greedy_tokens(logits, self.argmax_workspace))   # kernels/argmax.py
             pending = self.readback.start(sampled)
+        # After the sampling, which can raise (an error in a sampler, Ctrl-C, out of memory): the
+        # computed counts advance only with the placeholders that follow at once. Advanced before
+        # it, a raise left every request of the step counted as computed with no token coming,
+        # never scheduled again and holding its blocks (another caller's request, when generate()
+        # was the one stopped). Now the step is as if not launched: its requests are planned again.
+        self.scheduler.update_after_step(plan.scheduled)
         self.stats.steps += 1
         if state is not None and getattr(inputs, "sample_row_ids", None) is not None:
             return launch_rows(state, plan.scheduled, inputs, sampled, pending, self.async_scheduling)

@@ -157,6 +157,13 @@ class ModelRunner:
         for name in ("full_graphs", "graph_pool", "forward_fn", "kv_caches", "model", "batch", "cos_sin"):
             if hasattr(self, name):
                 setattr(self, name, None)
+        # compile_cache=False's scratch directory for Inductor and Triton (compile/setup.py): it
+        # outlived close() until the runner was collected (one directory per closed engine that a
+        # server kept). The start-up's compile threads are done by now (precompile.finish).
+        scratch = getattr(self, "compile_scratch", None)
+        if scratch is not None:
+            scratch.cleanup()
+            self.compile_scratch = None
         import gc
         gc.collect()
         if self.device.type == "cuda":

@@ -798,3 +798,25 @@ def test_a_model_error_on_a_full_disk_is_raised_as_it_is(tiny_dense, tmp_path, m
     monkeypatch.setattr(setup, "_dummy_forward", compiler)
     with pytest.raises(CompileCacheError, match=r"no space left .*\(CppCompileError\)"):
         make_runner(tiny_dense, "compile", compile_cache_dir=str(tmp_path / "d"))
+
+
+def test_closed_engines_leave_no_dynamo_entry_nor_scratch_directory(tiny_dense, tmp_path, dense_eager):
+    """Found by probing (session 31): each engine compiled without the saved trace left a Dynamo
+    cache entry on the model class's forward code, never removed (~8,000 objects kept per closed
+    engine; the 65th start of a process failed with FailOnRecompileLimitHit), and compile_cache=False's
+    scratch directory outlived close(). Each engine now compiles its own copy of the code."""
+    import gc
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from pcg_engine.models.qwen3 import Qwen3ForCausalLM
+    code = Qwen3ForCausalLM.forward.__code__
+    before = len(_debug_get_cache_entry_list(code))
+    for _ in range(2):
+        runner = make_runner(tiny_dense, "compile", compile_cache=False)
+        scratch = runner.compile_scratch.name
+        assert os.path.isdir(scratch)
+        _same_as(dense_eager, runner)
+        runner.close()
+        assert not os.path.exists(scratch)
+        del runner
+        gc.collect()
+    assert len(_debug_get_cache_entry_list(code)) == before

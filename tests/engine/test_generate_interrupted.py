@@ -111,3 +111,31 @@ def test_ctrl_c_in_the_read_back_wait_leaves_other_requests_whole(llm, at, monke
     assert_drained(engine)
     assert [o.token_ids for o in llm.generate(PROMPTS, other)] == want
     assert_drained(engine)
+
+
+def test_a_step_stopped_in_its_sampling_leaves_other_requests_running(llm, monkeypatch):
+    """Found by probing (session 31): an exception in the sampler (a bug, Ctrl-C, out of memory)
+    while generate() ran left another caller's request counted as computed with no token coming:
+    never scheduled again, holding its blocks. The step now counts as not launched."""
+    engine = llm.engine
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=3, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(PROMPTS[1:2], PARAMS)][0]
+    engine.add_request(PROMPTS[1], PARAMS, request_id="other")
+    for _ in range(3):
+        engine.step()
+    sampler = engine.sampler
+    real = type(sampler).__call__
+    calls = []
+
+    def fail_once(self, logits, t):
+        calls.append(1)
+        if len(calls) == 1:
+            raise Stop("in the sampler")
+        return real(self, logits, t)
+    monkeypatch.setattr(type(sampler), "__call__", fail_once)
+    with pytest.raises(Stop):
+        llm.generate(PROMPTS[:1], sampled)      # a sampling request: the step goes through the sampler
+    assert calls
+    finals = drain(engine)          # it stalled here: "engine did not drain", its blocks held
+    assert finals["other"].token_ids == want
+    assert_drained(engine)
