@@ -32,6 +32,7 @@ from pcg_engine.engine import precompile
 from pcg_engine.engine.precompile import VariantCounter
 from pcg_engine.errors import ConfigError
 from pcg_engine.models.loader import load_config, load_model
+from pcg_engine.models.qwen3 import is_moe_layer
 
 
 def _check_max_model_len(config: EngineConfig, model_path) -> None:
@@ -43,6 +44,29 @@ def _check_max_model_len(config: EngineConfig, model_path) -> None:
     if config.max_model_len > limit:
         raise ConfigError("max_model_len", f"got {config.max_model_len}; allowed: 2..{limit} (the checkpoint's "
                                            "max_position_embeddings)")
+
+
+# Modes that capture CUDA graphs on a CUDA device (on the CPU none captures).
+CAPTURING_MODES = ("piecewise", "full_decode", "full_and_piecewise")
+
+
+def _check_moe_reference_in_graphs(config: EngineConfig, model_path, device_type: str) -> None:
+    """A MoE model without the Triton kernels runs its experts through the reference op
+    (models/moe.py), which reads the routing back to the host (bincount().tolist()): a sync that a
+    CUDA graph capture forbids. The start died deep in the capture with a CUDA error; refused
+    here, before the weights load, naming the setting."""
+    mode = config.resolved_mode(device_type)
+    kernels = config.kernels if config.kernels is not None else device_type == "cuda"
+    if device_type != "cuda" or mode not in CAPTURING_MODES or (kernels and config.fuse):
+        return
+    hf = load_config(model_path)
+    if not any(is_moe_layer(hf, i) for i in range(hf.num_hidden_layers)):
+        return
+    field, value = ("fuse", False) if not config.fuse else ("kernels", False)
+    raise ConfigError(field, f"got {value}: a MoE model then runs its experts through the reference path, which "
+                             f"reads the routing back to the host, and mode {mode!r} captures CUDA graphs, which "
+                             f"forbid that; allowed with this mode: kernels None or True with fuse True (or mode "
+                             f"eager or compile)")
 
 
 KV_HEADROOM = 512 * 2**20     # bytes left free beside the KV cache (allocator slack, small buffers)
@@ -70,6 +94,7 @@ class ModelRunner:
         self.device = device
         self.timings: dict[str, float] = {}
         _check_max_model_len(config, model_path)   # before the weights: config.json alone decides
+        _check_moe_reference_in_graphs(config, model_path, device.type)
         config.check_triton_usable(device.type)
         config.check_buckets_used(config.resolved_mode(device.type))   # mode "auto" is known from here
         config.check_settings_used(device.type, config.resolved_mode(device.type))

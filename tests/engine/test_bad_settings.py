@@ -118,3 +118,45 @@ def test_settings_at_their_defaults_or_read_here_warn_nothing(tiny_paths):
         warnings.filterwarnings("error", message="EngineConfig")
         make_llm(tiny_paths["tiny-qwen3"], mode="eager", cpu_kv_blocks=128, gpu_memory_utilization=0.85).close()
         make_llm(tiny_paths["tiny-qwen3"], mode="compile", max_capture_tokens=64).close()
+
+
+@pytest.mark.parametrize("setting, mode, field", [
+    (dict(kernels=False), "piecewise", "kernels"),
+    (dict(kernels=False), "full_and_piecewise", "kernels"),
+    (dict(kernels=False), "auto", "kernels"),              # full_and_piecewise on CUDA
+    (dict(fuse=False), "full_decode", "fuse"),
+])
+def test_moe_reference_path_in_a_capturing_mode_is_refused(tiny_paths, setting, mode, field):
+    """Found by review (session 31): a MoE model without the Triton kernels reads its routing back to
+    the host in every forward (the reference op's bincount().tolist()), which a CUDA graph capture
+    forbids: the start died in the capture with a CUDA error. Checked on CUDA's terms here (the
+    check reads config.json only); the GPU test below builds the engines."""
+    from pcg_engine.config import EngineConfig
+    from pcg_engine.engine.model_runner import _check_moe_reference_in_graphs
+    config = EngineConfig(model=str(tiny_paths["tiny-qwen3-moe"]), mode=mode, **setting)
+    with pytest.raises(ConfigError, match=f"{field}: got False: a MoE model then runs its experts through the "
+                                          "reference path.*allowed with this mode: kernels None or True with fuse "
+                                          "True \\(or mode eager or compile\\)") as e:
+        _check_moe_reference_in_graphs(config, tiny_paths["tiny-qwen3-moe"], "cuda")
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("preset, mode, device", [
+    ("tiny-qwen3-moe", "compile", "cuda"),       # no capture
+    ("tiny-qwen3-moe", "eager", "cuda"),
+    ("tiny-qwen3-moe", "piecewise", "cpu"),      # no capture on the CPU
+    ("tiny-qwen3", "full_and_piecewise", "cuda"),  # a dense model's unfused path is plain tensor ops
+])
+def test_moe_reference_path_where_nothing_captures_it_passes(tiny_paths, preset, mode, device):
+    from pcg_engine.config import EngineConfig
+    from pcg_engine.engine.model_runner import _check_moe_reference_in_graphs
+    config = EngineConfig(model=str(tiny_paths[preset]), mode=mode, kernels=False)
+    _check_moe_reference_in_graphs(config, tiny_paths[preset], device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["piecewise", "full_decode", "full_and_piecewise"])
+def test_gpu_moe_without_kernels_in_a_capturing_mode_is_refused(tiny_paths, mode):
+    with pytest.raises(ConfigError) as e:
+        make_llm(tiny_paths["tiny-qwen3-moe"], device="cuda", mode=mode, kernels=False)
+    assert e.value.field == "kernels"
