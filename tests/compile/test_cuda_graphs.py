@@ -132,9 +132,10 @@ def _garbage_hook(runner, seed=0):
     return prepare, real, padded
 
 
+@pytest.mark.parametrize("preset", ["dense", "moe"])   # MoE since session 31: its padding rows route too
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
-def test_garbage_in_padding_rows_changes_no_real_output(gpu_runners, mode):
-    runner = gpu_runners("dense", mode, cudagraph_buckets=BUCKETS)
+def test_garbage_in_padding_rows_changes_no_real_output(gpu_runners, mode, preset):
+    runner = gpu_runners(preset, mode, cudagraph_buckets=BUCKETS)
     runner.graph_pool.debug = True      # also check every replay's input addresses
     lock = Lockstep([runner])
     hooked, real, padded = _garbage_hook(runner)

@@ -46,9 +46,10 @@ GPU_CASES = {
     # chunked prefill and mixed batches, synchronous scheduling, dense and MoE
     "chunked-sync": (dict(num_kv_blocks=256, max_num_batched_tokens=48, async_scheduling=False),
                      ["tiny_dense", "tiny_moe"]),
-    # few KV blocks (requests are preempted and recomputed), async scheduling
+    # few KV blocks (requests are preempted and recomputed), async scheduling; MoE too since session
+    # 31 (a review found async + MoE with graphs untested on the GPU)
     "preemption-async": (dict(num_kv_blocks=10, max_num_batched_tokens=64, async_scheduling=True),
-                         ["tiny_dense"]),
+                         ["tiny_dense", "tiny_moe"]),
 }
 
 
