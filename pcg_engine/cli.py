@@ -65,7 +65,8 @@ def _add_generate(sub):
     p.add_argument("--device", default="auto", help="auto (the default: cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (the default: bfloat16 on CUDA, float32 on the CPU), bfloat16, float16, float32")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's max_position_embeddings, at most 4096")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once, 1..4096 (default 64)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once, 1..4096 (default 64; the "
+                   "Python API's default is 256)")
     # (--block-size and --gpu-memory-utilization change what it said: "blocks of 16 tokens", "85%")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks of --block-size tokens (default: what --gpu-memory-utilization of the GPU's "
@@ -77,7 +78,8 @@ def _add_generate(sub):
                    help="tokens a KV block holds, a power of two from 1 to 128 (default 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="in (0, 1]: share of the GPU's memory the engine may fill, KV cache included; sizes the KV "
-                        "cache on CUDA when --num-kv-blocks is not given (default 0.85)")
+                        "cache on CUDA when --num-kv-blocks is not given (default 0.85); refused on the CPU and "
+                        "beside --num-kv-blocks")
     p.add_argument("--attention-backend", default=None,
                    help="auto, torch, triton (default auto: triton on CUDA, torch on the CPU)")
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
@@ -259,16 +261,29 @@ def _dump_graph(llm, directory: str, err) -> None:
     err.print(f"graph: {len(paths)} files in {directory}", soft_wrap=True, markup=False)
 
 
-def _start_words(config: dict) -> str:
-    """What the start does besides loading, for the spinner: it said "capturing graphs" in any mode
-    but eager, also where none are captured (compile; --mode auto or piecewise on the CPU)."""
-    from pcg_engine.config import COMPILED_MODES, EngineConfig
+def _resolved_mode_and_device(config: dict):
+    """(mode, device type) that an engine of these settings runs, or (None, None) where the engine's
+    own start will refuse them (naming the field)."""
+    from pcg_engine.config import EngineConfig
     try:
         engine_config = EngineConfig.from_kwargs(**config)
         device = engine_config.resolved_device().split(":")[0]
-    except Exception:   # the engine's own start refuses it, naming the field
+    except Exception:
+        return None, None
+    return engine_config.resolved_mode(device), device
+
+
+def _resolved_mode(config: dict):
+    return _resolved_mode_and_device(config)[0]
+
+
+def _start_words(config: dict) -> str:
+    """What the start does besides loading, for the spinner: it said "capturing graphs" in any mode
+    but eager, also where none are captured (compile; --mode auto or piecewise on the CPU)."""
+    from pcg_engine.config import COMPILED_MODES
+    mode, device = _resolved_mode_and_device(config)
+    if mode is None:
         return ""
-    mode = engine_config.resolved_mode(device)
     graphs = device == "cuda" and mode != "compile" and mode != "eager"
     if mode in COMPILED_MODES:
         return " and compiling" + (" and capturing graphs" if graphs else "")
@@ -300,6 +315,13 @@ def cmd_generate(args) -> int:
         config.update({name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None})
         check_kv_sizing_flags(args.device, args.num_kv_blocks, args.gpu_memory_utilization)
         if args.dump_graph:
+            # Refused before the model loads, naming how the mode came about: it said "--mode
+            # (mode): ..." after loading the weights, also to one who had not given --mode.
+            mode = _resolved_mode(config)
+            if mode is not None and mode not in ("compile", "piecewise", "full_and_piecewise"):
+                how = f"--mode {args.mode}" if args.mode != "auto" else f"--mode auto, which runs {mode!r} here,"
+                raise SystemExit(f"--dump-graph: needs a compiled mode (--mode compile, piecewise or "
+                                 f"full_and_piecewise); {how} compiles nothing")
             # A saved trace keeps Inductor's code, not the pieces' FX graphs: trace this start
             # (compile/saved_trace.py). The switch is part of the compile cache's key, so the first
             # start with it compiles its own entry.

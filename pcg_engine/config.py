@@ -310,12 +310,12 @@ def check_kv_sizing_flags(device: str, num_kv_blocks, gpu_memory_utilization) ->
     if gpu_memory_utilization is None:
         return
     if num_kv_blocks is not None:
-        raise ConfigError("gpu_memory_utilization", "has no effect with num_kv_blocks, which sets the KV cache's "
-                                                    "size: give one of the two")
+        raise ConfigError("gpu_memory_utilization", "has no effect with --num-kv-blocks, which sets the KV "
+                                                    "cache's size: give one of the two")
     import torch
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         raise ConfigError("gpu_memory_utilization", "sizes the KV cache on CUDA only; on the CPU the cache "
-                                                    f"has num_kv_blocks blocks (default {EngineConfig.cpu_kv_blocks})")
+                                                    f"has --num-kv-blocks blocks (default {EngineConfig.cpu_kv_blocks})")
 
 
 __all__ = ["EngineConfig", "check_kv_sizing_flags", "MODES", "COMPILED_MODES", "BUCKET_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",

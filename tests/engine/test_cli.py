@@ -132,7 +132,17 @@ def test_generate_dump_graph(dense_path, tmp_path, capsys, monkeypatch):
     assert len([line for line in err.splitlines() if line.startswith("start-up: weights ")]) == 1
     assert "Dynamo " in err and "Inductor " in err
     assert cli.main(argv + ["--mode", "eager"]) == 2
-    assert "error: --mode (mode): --dump-graph needs a compiled mode" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --dump-graph: needs a compiled mode (--mode compile, piecewise or full_and_piecewise); --mode "
+        "eager compiles nothing")
+    # --mode not given (session 31's probe: it said "--mode (mode): ...", after loading the weights)
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+    monkeypatch.setattr("pcg_engine.llm.LLM", no_load)
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --dump-graph: needs a compiled mode (--mode compile, piecewise or full_and_piecewise); --mode "
+        "auto, which runs 'eager' here, compiles nothing")
 
 
 def test_generate_stop(cli_env, dense_path, in_process):

@@ -153,7 +153,7 @@ def test_json_logprobs_are_strict_json():
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--num-kv-blocks", "64", "--gpu-memory-utilization", "0.5"], "has no effect with num_kv_blocks"),
+    (["--num-kv-blocks", "64", "--gpu-memory-utilization", "0.5"], "has no effect with --num-kv-blocks"),
     (["--device", "cpu", "--gpu-memory-utilization", "0.5"], "sizes the KV cache on CUDA only"),
 ], ids=["with-num-kv-blocks", "on-the-cpu"])
 def test_gpu_memory_utilization_that_would_be_ignored_is_refused(tiny_paths, capsys, monkeypatch, flags, expected):
