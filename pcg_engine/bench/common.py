@@ -85,15 +85,18 @@ def temperature(text: str) -> float:
 
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
-                   help="checkpoint directory or preset name (tiny-qwen3, qwen3-0.6b, ...; built on first use)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto")
+                   help="checkpoint directory or preset name (tiny-qwen3, qwen3-0.6b, ...; built on first use; "
+                        "default tiny-qwen3)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32 (default auto: bf16 on CUDA, "
+                   "fp32 on the CPU)")
     p.add_argument("--json", default=None, type=json_path, metavar="PATH", help="write the results as JSON here")
     # numpy's generator takes seeds >= 0: a negative one failed inside numpy after the engine was built
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random dataset, and of a preset model's random weights "
                    "(a preset is built once per seed)")
     g = p.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests run at once (default 256); overhead and profile set it from their own flag")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None)
