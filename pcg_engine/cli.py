@@ -273,18 +273,14 @@ def _resolved_mode_and_device(config: dict):
     return engine_config.resolved_mode(device), device
 
 
-def _resolved_mode(config: dict):
-    return _resolved_mode_and_device(config)[0]
-
-
 def _start_words(config: dict) -> str:
     """What the start does besides loading, for the spinner: it said "capturing graphs" in any mode
     but eager, also where none are captured (compile; --mode auto or piecewise on the CPU)."""
-    from pcg_engine.config import COMPILED_MODES
+    from pcg_engine.config import CAPTURING_MODES, COMPILED_MODES
     mode, device = _resolved_mode_and_device(config)
     if mode is None:
         return ""
-    graphs = device == "cuda" and mode != "compile" and mode != "eager"
+    graphs = device == "cuda" and mode in CAPTURING_MODES
     if mode in COMPILED_MODES:
         return " and compiling" + (" and capturing graphs" if graphs else "")
     return " and capturing graphs" if graphs else ""
@@ -317,8 +313,9 @@ def cmd_generate(args) -> int:
         if args.dump_graph:
             # Refused before the model loads, naming how the mode came about: it said "--mode
             # (mode): ..." after loading the weights, also to one who had not given --mode.
-            mode = _resolved_mode(config)
-            if mode is not None and mode not in ("compile", "piecewise", "full_and_piecewise"):
+            from pcg_engine.config import COMPILED_MODES
+            mode = _resolved_mode_and_device(config)[0]
+            if mode is not None and mode not in COMPILED_MODES:
                 how = f"--mode {args.mode}" if args.mode != "auto" else f"--mode auto, which runs {mode!r} here,"
                 raise SystemExit(f"--dump-graph: needs a compiled mode (--mode compile, piecewise or "
                                  f"full_and_piecewise); {how} compiles nothing")

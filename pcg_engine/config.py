@@ -32,6 +32,8 @@ MAX_NUM_BATCHED_TOKENS = 2**18
 # capture no graphs.
 BUCKET_MODES = {"cudagraph_buckets": ("piecewise", "full_and_piecewise"),
                 "decode_buckets": ("full_decode", "full_and_piecewise")}
+# The modes that capture CUDA graphs on a CUDA device (on the CPU none captures): those reading a bucket list.
+CAPTURING_MODES = tuple(m for m in MODES if any(m in modes for modes in BUCKET_MODES.values()))
 
 
 def default_buckets(max_tokens: int) -> list[int]:
@@ -291,6 +293,10 @@ class EngineConfig:
         """max_model_len, or the checkpoint's max_position_embeddings capped at 4096."""
         return self.max_model_len or min(max_position_embeddings, 4096)
 
+    def resolved_kernels(self, device_type: str) -> bool:
+        """kernels, None -> on for CUDA."""
+        return self.kernels if self.kernels is not None else device_type == "cuda"
+
     def resolved_async(self, device_type: str) -> bool:
         return device_type == "cuda" if self.async_scheduling is None else bool(self.async_scheduling)
 
@@ -318,5 +324,5 @@ def check_kv_sizing_flags(device: str, num_kv_blocks, gpu_memory_utilization) ->
                                                     f"has --num-kv-blocks blocks (default {EngineConfig.cpu_kv_blocks})")
 
 
-__all__ = ["EngineConfig", "check_kv_sizing_flags", "MODES", "COMPILED_MODES", "BUCKET_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
+__all__ = ["EngineConfig", "check_kv_sizing_flags", "MODES", "COMPILED_MODES", "BUCKET_MODES", "CAPTURING_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
            "field"]

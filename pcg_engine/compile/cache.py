@@ -434,10 +434,13 @@ class CompileCache:
         os.replace(tmp, self.entry / MANIFEST)
 
     def abandon(self) -> None:
-        """A build that cannot be completed (no space left): its files are removed, so they free
-        the space they took; the next start rebuilds the entry (it has no manifest either way)."""
-        with contextlib.suppress(OSError):
-            _remove_tree(self.entry)
+        """A build that cannot be completed (no space left). A new entry's files are removed, so
+        they free the space they took (it has no manifest: the next start rebuilds it). A hit's
+        entry stays: its verified files are good, and what this start added unlisted is removed
+        by the next start's check."""
+        if self.state == "miss":
+            with contextlib.suppress(OSError):
+                _remove_tree(self.entry)
 
     @contextlib.contextmanager
     def activate(self):

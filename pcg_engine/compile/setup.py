@@ -181,11 +181,8 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
                 raise
             # Inductor's own writes into the entry failed (an OSError inside its errors, or a C++
             # compiler that could not write its output): a traceback from deep in Inductor, and the
-            # next start deleted the half-built entry, compiled again and failed again. A new
-            # entry is removed, freeing what it took; a hit's stays (its verified files are good,
-            # what this start added is unlisted and removed by the next start's check).
-            if cache.state == "miss":
-                cache.abandon()
+            # next start deleted the half-built entry, compiled again and failed again.
+            cache.abandon()
             raise CompileCacheError(f"no space left on the device of {cache.root} while compiling into it "
                                     f"({type(e).__name__}); free space there, choose another directory (or "
                                     "compile_cache=False)") from e
@@ -193,11 +190,8 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
             try:
                 cache.commit(written=[forward.saved_trace_written] if forward.saved_trace_written else [])
             except OSError as e:
-                # The compiled forward is in memory: this start goes on. A new entry has no
-                # manifest and is removed (its space freed; the next start rebuilds it); a hit keeps
-                # its verified manifest, and the next start removes what this one added unlisted.
-                if cache.state == "miss":
-                    cache.abandon()
+                # The compiled forward is in memory: this start goes on.
+                cache.abandon()
                 warnings.warn(f"compile cache entry {cache.entry} not saved ({e.strerror or e}); the next start "
                               "compiles again")
                 timings["compile_cache_unsaved"] = 1.0

@@ -26,7 +26,7 @@ from pcg_engine.attention.backend import kv_cache_shape, make_backend
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.op import bind_kv_caches
 from pcg_engine.attention.rope import rope_cache
-from pcg_engine.config import EngineConfig, default_buckets
+from pcg_engine.config import CAPTURING_MODES, EngineConfig, default_buckets
 from pcg_engine.engine.input_batch import InputBatch, StepInputs
 from pcg_engine.engine import precompile
 from pcg_engine.engine.precompile import VariantCounter
@@ -46,18 +46,13 @@ def _check_max_model_len(config: EngineConfig, model_path) -> None:
                                            "max_position_embeddings)")
 
 
-# Modes that capture CUDA graphs on a CUDA device (on the CPU none captures).
-CAPTURING_MODES = ("piecewise", "full_decode", "full_and_piecewise")
-
-
 def _check_moe_reference_in_graphs(config: EngineConfig, model_path, device_type: str) -> None:
     """A MoE model without the Triton kernels runs its experts through the reference op
     (models/moe.py), which reads the routing back to the host (bincount().tolist()): a sync that a
     CUDA graph capture forbids. The start died deep in the capture with a CUDA error; refused
     here, before the weights load, naming the setting."""
     mode = config.resolved_mode(device_type)
-    kernels = config.kernels if config.kernels is not None else device_type == "cuda"
-    if device_type != "cuda" or mode not in CAPTURING_MODES or (kernels and config.fuse):
+    if device_type != "cuda" or mode not in CAPTURING_MODES or (config.resolved_kernels(device_type) and config.fuse):
         return
     hf = load_config(model_path)
     if not any(is_moe_layer(hf, i) for i in range(hf.num_hidden_layers)):
@@ -105,8 +100,8 @@ class ModelRunner:
             torch.cuda.synchronize(device)
         self.timings["device_init_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        kernels = config.kernels if config.kernels is not None else device.type == "cuda"
-        self.model = load_model(model_path, device=device, dtype=self.dtype, fuse=config.fuse, kernels=kernels)
+        self.model = load_model(model_path, device=device, dtype=self.dtype, fuse=config.fuse,
+                                kernels=config.resolved_kernels(device.type))
         self.timings["weight_load_s"] = time.perf_counter() - t0
         hf = self.model.config
         self.hf_config = hf
