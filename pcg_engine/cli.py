@@ -23,7 +23,7 @@ ENGINE_FLAGS = ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"
 
 
 def _add_generate(sub):
-    from pcg_engine.config import MAX_NUM_BATCHED_TOKENS
+    from pcg_engine.config import FLAG_HELP
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -64,24 +64,15 @@ def _add_generate(sub):
                    "(the default: full_and_piecewise on CUDA, eager on the CPU)")
     p.add_argument("--device", default="auto", help="auto (the default: cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (the default: bfloat16 on CUDA, float32 on the CPU), bfloat16, float16, float32")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's max_position_embeddings, at most 4096")
+    p.add_argument("--max-model-len", type=int, default=None, help=FLAG_HELP["max_model_len"])
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once, 1..4096 (default 64; the "
                    "Python API's default is 256)")
-    # (--block-size and --gpu-memory-utilization change what it said: "blocks of 16 tokens", "85%")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV cache blocks of --block-size tokens (default: what --gpu-memory-utilization of the GPU's "
-                        "memory leaves; 512 on the CPU)")
     # Engine settings left unset keep EngineConfig's defaults (config.py); their ranges are its checks'.
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"tokens a step may hold, 1..{MAX_NUM_BATCHED_TOKENS} (default 2048)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="tokens a KV block holds, a power of two from 1 to 128 (default 16)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="in (0, 1]: share of the GPU's memory the engine may fill, KV cache included; sizes the KV "
-                        "cache on CUDA when --num-kv-blocks is not given (default 0.85); refused on the CPU and "
-                        "beside --num-kv-blocks")
-    p.add_argument("--attention-backend", default=None,
-                   help="auto, torch, triton (default auto: triton on CUDA, torch on the CPU)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help=FLAG_HELP["num_kv_blocks"])
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help=FLAG_HELP["max_num_batched_tokens"])
+    p.add_argument("--block-size", type=int, default=None, help=FLAG_HELP["block_size"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help=FLAG_HELP["gpu_memory_utilization"])
+    p.add_argument("--attention-backend", default=None, help=FLAG_HELP["attention_backend"])
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="overlap a step's planning with the previous step's GPU work (auto: on for CUDA)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -309,6 +309,24 @@ class EngineConfig:
         return table[self.dtype]
 
 
+# The help of the engine's settings as command-line flags, one text for `pcg generate` and `pcg bench`
+# (the benchmarks' flags had none, so their --help did not say what an unset one does).
+FLAG_HELP = {
+    "max_model_len": "default: the checkpoint's max_position_embeddings, at most 4096",
+    # (no fixed size: --block-size and --gpu-memory-utilization change it)
+    "num_kv_blocks": "KV cache blocks of --block-size tokens (default: what --gpu-memory-utilization of the GPU's "
+                     f"memory leaves; {EngineConfig.cpu_kv_blocks} on the CPU)",
+    "max_num_batched_tokens": f"tokens a step may hold, 1..{MAX_NUM_BATCHED_TOKENS} "
+                              f"(default {EngineConfig.max_num_batched_tokens})",
+    "block_size": f"tokens a KV block holds, a power of two from 1 to 128 (default {EngineConfig.block_size})",
+    "gpu_memory_utilization": "in (0, 1]: share of the GPU's memory the engine may fill, KV cache included; sizes "
+                              "the KV cache on CUDA when --num-kv-blocks is not given "
+                              f"(default {EngineConfig.gpu_memory_utilization}); refused on the CPU and beside "
+                              "--num-kv-blocks",
+    "attention_backend": "auto, torch, triton (default auto: triton on CUDA, torch on the CPU)",
+}
+
+
 def check_kv_sizing_flags(device: str, num_kv_blocks, gpu_memory_utilization) -> None:
     """For the command line, which knows the settings the user gave (None: not given):
     gpu_memory_utilization sizes the KV cache only on CUDA and only where num_kv_blocks is not set,
@@ -324,5 +342,5 @@ def check_kv_sizing_flags(device: str, num_kv_blocks, gpu_memory_utilization) ->
                                                     f"has --num-kv-blocks blocks (default {EngineConfig.cpu_kv_blocks})")
 
 
-__all__ = ["EngineConfig", "check_kv_sizing_flags", "MODES", "COMPILED_MODES", "BUCKET_MODES", "CAPTURING_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
+__all__ = ["EngineConfig", "check_kv_sizing_flags", "FLAG_HELP", "MODES", "COMPILED_MODES", "BUCKET_MODES", "CAPTURING_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
            "field"]

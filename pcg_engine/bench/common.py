@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import json
 import os
@@ -16,6 +17,8 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+
+from pcg_engine.config import FLAG_HELP
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,12 +100,25 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests run at once (default 256); overhead and profile set it from their own flag")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
-    g.add_argument("--attention-backend", default=None, help="auto, torch, triton")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help=FLAG_HELP["max_num_batched_tokens"])
+    g.add_argument("--max-model-len", type=int, default=None, help=FLAG_HELP["max_model_len"])
+    g.add_argument("--num-kv-blocks", type=int, default=None, help=FLAG_HELP["num_kv_blocks"])
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, help=FLAG_HELP["gpu_memory_utilization"])
+    g.add_argument("--attention-backend", default=None, help=FLAG_HELP["attention_backend"])
     return p
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """The benchmarks' --help: each option with a default names it where its own text does not (most
+    had no text, so `--help` did not say what a bare run does: --input-len, --warmup, ...)."""
+
+    def add_argument(self, action):
+        default = action.default
+        if (action.option_strings and action.help is not argparse.SUPPRESS and "default" not in (action.help or "")
+                and default not in (None, argparse.SUPPRESS, [], ()) and not isinstance(default, bool)):
+            action = copy.copy(action)
+            action.help = f"{action.help} (default %(default)s)" if action.help else "default %(default)s"
+        super().add_argument(action)
 
 
 _ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",

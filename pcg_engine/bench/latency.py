@@ -81,7 +81,8 @@ def run_mode(llm, args, name: str) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pcg bench latency", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pcg bench latency", description=__doc__.split("\n\n")[0],
+                                formatter_class=common.HelpFormatter)
     common.add_common_args(p)
     common.add_process_per_mode_arg(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes; ratios are against the first")

@@ -12,7 +12,7 @@ import resource
 import time
 from pathlib import Path
 
-from pcg_engine.bench.common import env_record, json_path, print_table, resolve_model, write_json
+from pcg_engine.bench.common import HelpFormatter, env_record, json_path, print_table, resolve_model, write_json
 
 
 def _read_files(files) -> float:
@@ -40,13 +40,18 @@ def _rss_mib() -> tuple[float, float]:
     return rss, rss if anon is None else anon
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="pcg bench load", description=__doc__.splitlines()[0])
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pcg bench load", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="tiny-qwen3")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--json", default=None, type=json_path)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
     import torch
 
     from pcg_engine.models.loader import load_model, weight_files

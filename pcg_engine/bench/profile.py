@@ -107,7 +107,8 @@ def default_configs(on_cuda: bool) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pcg bench profile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pcg bench profile", description=__doc__.split("\n\n")[0],
+                                formatter_class=common.HelpFormatter)
     common.add_common_args(p)
     names = ", ".join(n for n, _ in CONFIGS)
     p.add_argument("--configs", default=None, help=f"comma-separated, from: {names} "

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from pcg_engine.bench.common import (directory_path, env_record, int_at_least, json_path, only_with, print_table,
+from pcg_engine.bench.common import (HelpFormatter, directory_path, env_record, int_at_least, json_path, only_with, print_table,
                                      resolve_model, write_json)
 from pcg_engine.config import MODES, EngineConfig
 
@@ -125,8 +125,9 @@ def _check_config(config: dict) -> None:
     cfg.check_mode_backend(device_type)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="pcg bench startup", description=__doc__.splitlines()[0])
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pcg bench startup", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="tiny-qwen3")
     # Checked here: a typo failed in the child process, whose ConfigError traceback was printed.
     p.add_argument("--mode", default="auto", choices=MODES + ("auto",))
@@ -139,7 +140,11 @@ def main(argv=None) -> int:
                         "set to A, B, A, B, ... (--warm-repeats rounds) instead of the one plain warm run")
     p.add_argument("--warm-repeats", type=int_at_least(1), default=None, help="rounds of --warm-ab (default 2)")
     p.add_argument("--no-cold-bytecode", action="store_true", help="skip the third run (cold, bytecode)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
     only_with(args, "--warm-ab", {"warm_repeats": 2})
     config = {"mode": args.mode, "device": args.device, "max_num_seqs": args.max_num_seqs}
     _check_config(config)

@@ -119,7 +119,8 @@ P2_MAX_MODEL_LEN = 4096
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pcg bench throughput", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pcg bench throughput", description=__doc__.split("\n\n")[0],
+                                formatter_class=common.HelpFormatter)
     common.add_common_args(p)
     common.add_process_per_mode_arg(p)
     p.add_argument("--modes", default="auto", help="comma-separated modes, e.g. eager,full_and_piecewise")

@@ -624,6 +624,35 @@ def test_wrapper_scripts_refuse_a_setting_in_one_line(name, monkeypatch, capsys)
     assert capsys.readouterr().err.strip() == "error: --max-num-seqs (max_num_seqs): got 0; allowed: 1..4096"
 
 
+@pytest.mark.parametrize("name", ["latency", "throughput", "load_test", "overhead", "profile", "load", "startup"])
+def test_bench_help_names_every_default(name):
+    """Found by reading the help: most of the benchmarks' options with a default (latency's
+    --input-len 128, load-test's --warmup 2, ...) and the engine flags (--max-num-batched-tokens,
+    --max-model-len, --num-kv-blocks, ...) had no help text, so --help did not say what a bare run does."""
+    import argparse
+    import importlib
+    parser = importlib.import_module(f"pcg_engine.bench.{name}").make_parser()
+    entries, current = {}, None        # flag -> its entry in the help, on one line
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif line.startswith("    ") and current is not None:
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    for action in parser._actions:
+        if not action.option_strings or action.help is argparse.SUPPRESS:
+            continue
+        flag = action.option_strings[0]
+        block = " ".join(entries[flag].split()[1:])
+        if action.default not in (None, argparse.SUPPRESS, [], ()) and not isinstance(action.default, bool):
+            assert "default" in block, f"{name} {flag}: {block!r}"
+        if flag in ("--max-num-batched-tokens", "--max-model-len", "--num-kv-blocks", "--gpu-memory-utilization",
+                    "--attention-backend"):
+            assert "default" in block and len(block) > 30, f"{name} {flag}: {block!r}"
+
+
 def test_cli_dispatches_bench(capsys):
     from pcg_engine.cli import main
     with pytest.raises(SystemExit) as exit_info:
