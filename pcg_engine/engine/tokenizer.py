@@ -148,10 +148,12 @@ def eos_token_ids(path: Path, tokenizer=None, vocab_size: int | None = None) -> 
     file = Path(path) / "generation_config.json"
     config = _read_json(file)
     if config is None or "eos_token_id" not in config:
-        # transformers' generate() does the same (GenerationConfig.from_model_config): without the
-        # file's own entry, config.json's eos_token_id (checked at load by model_config.py). Ignored
-        # before, a checkpoint without generation_config.json and without a tokenizer ran every
-        # request to max_tokens.
+        # Without the file's own entry, config.json's eos_token_id (checked at load by model_config.py).
+        # transformers' generate() falls back to it only where the file is absent
+        # (GenerationConfig.from_model_config); a file that names no EOS runs its generate() to
+        # max_new_tokens. Here the model's declared EOS still ends a request, as the tokenizer's does
+        # (vLLM stops at both too). Ignored before, a checkpoint without generation_config.json and
+        # without a tokenizer ran every request to max_tokens.
         file = Path(path) / "config.json"
         config = _read_json(file)
     if config is not None:

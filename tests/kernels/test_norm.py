@@ -30,6 +30,32 @@ def test_add_rms_norm_matches_reference(n, d, device, poison_empty):
     torch.testing.assert_close(out, ref_out, **FP32)
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+def test_eps_is_read_and_a_zero_row_stays_zero(eps, device, poison_empty):
+    """Found by a test audit: randn rows have a mean square near 1, where eps = 1e-6 moves nothing a
+    tolerance sees, so a kernel that dropped eps or fixed it passed every test. Here the rows' mean
+    square is about eps (eps moves the result by ~30%), and row 0 is zero (0/0 without eps)."""
+    scale = eps ** 0.5
+    x, r = torch.randn(4, 40, device=device) * scale, torch.randn(4, 40, device=device) * scale
+    x[0], r[0] = 0.0, 0.0
+    w = torch.rand(40, device=device) + 0.5
+    out = rms_norm(x, w, eps)
+    torch.testing.assert_close(out, rms_norm_ref(x, w, eps), **FP32)
+    assert (out[0] == 0).all()
+    out, new_res = add_rms_norm(x, r, w, eps)
+    ref_out, ref_res = add_rms_norm_ref(x, r, w, eps)
+    torch.testing.assert_close(out, ref_out, **FP32)
+    torch.testing.assert_close(new_res, ref_res, **FP32)
+    assert (out[0] == 0).all()
+    parts = torch.randn(2, 4, 40, device=device) * scale
+    parts[:, 0] = 0.0
+    out, new_res = norm.add_rms_norm_partials(parts, r, w, eps)
+    ref_out, ref_res = norm.add_rms_norm_partials_ref(parts, r, w, eps)
+    torch.testing.assert_close(out, ref_out, **FP32)
+    torch.testing.assert_close(new_res, ref_res, **FP32)
+    assert (out[0] == 0).all()
+
+
 def test_several_rows_per_program_with_partial_last_block(device, poison_empty, monkeypatch):
     # Real batches get several rows a program only above 512 rows, too slow to interpret; force
     # the tiling on a small batch instead: 4 rows a program, 7 rows, so the last block is partial.

@@ -18,11 +18,13 @@ import torch
 
 from pcg_engine.attention import launch_config
 from pcg_engine.attention.launch_config import GRAPH_SPLIT_DECODE_TUNING
-from pcg_engine.attention.rope import rope_cache
+from pcg_engine.attention.rope import apply_rope, rope_cache
 from pcg_engine.attention.rope_decode_attention import rope_decode_attention
 from pcg_engine.attention.rope_kv import rope_and_write_kv
+from pcg_engine.attention.torch_backend import paged_attention_reference, write_kv
 from pcg_engine.attention.triton_attention import unified_attention
 from pcg_engine.attention.triton_backend import TritonAttentionBackend
+from pcg_engine.kernels.norm import rms_norm_ref
 from test_graph_split_attention import bucket_meta
 from test_triton_attention import check
 
@@ -151,6 +153,40 @@ def test_fused_matches_rope_kv_then_attention(name):
 def test_fused_random_lengths():
     lens = [random.choice([0, 1, random.randint(2, 300)]) for _ in range(3)] + [random.randint(1, 300)]
     compare(make_step(lens, 1, 4, 2, 32, 8, torch.float32), random.choice([1, 2, 5, 16]), 1e-5)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+def test_fused_matches_the_pytorch_chain(eps):
+    """Against PyTorch alone: rms_norm_ref -> apply_rope -> write_kv -> paged_attention_reference.
+    The tests above compare with rope_kv + unified_attention, which share the head norm's Triton
+    helper with the fused kernel, so a bug there showed on both sides (found by a test audit: the
+    kernels with eps dropped from the norm passed). q and k are scaled so that their mean square is
+    about eps, where eps moves the result by ~30%, and one request's new q and k are zero (0/0 there
+    without eps). The padding rows carry positions outside the RoPE table, which the kernel clamps."""
+    s = make_step([1, 9, 0, 33], 1, 4, 2, 32, 4, torch.float32)
+    scale = eps ** 0.5
+    s["q"].mul_(scale), s["k"].mul_(scale)        # views of one qkv buffer: v keeps its scale
+    s["q"][1].zero_(), s["k"][1].zero_()
+    s["positions"][2], s["positions"][4] = -3, 10**9
+    cache = s["cache"].clone()
+    out = torch.full(s["q"].shape, float("nan"), device=DEVICE)
+    q_out = torch.full_like(out, float("nan"))
+    rope_decode_attention(s["q"], s["k"], s["v"], s["positions"], s["cos_sin"], cache, s["slots"], out,
+                          s["seq_lens"], s["block_table"], s["num_reqs"], s["scale"], 2, s["q_norm"],
+                          s["k_norm"], eps, tuning=GRAPH_SPLIT_DECODE_TUNING, q_out=q_out)
+    ref_cache = s["cache"].clone()
+    clamped = s["positions"].clamp(0, MAX_POS - 1)
+    ref_q = apply_rope(rms_norm_ref(s["q"], s["q_norm"], eps), clamped, s["cos_sin"])
+    write_kv(apply_rope(rms_norm_ref(s["k"], s["k_norm"], eps), clamped, s["cos_sin"]), s["v"],
+             ref_cache, s["slots"])
+    ref_out = torch.empty_like(out)
+    paged_attention_reference(ref_q, ref_cache, s["qsl"], s["seq_lens"], s["block_table"], s["scale"], ref_out)
+    real = s["slots"] >= 0
+    torch.testing.assert_close(q_out[real], ref_q[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:s["num_reqs"]], ref_out[:s["num_reqs"]], rtol=1e-5, atol=1e-5)
+    assert (out[s["num_reqs"]:] == 0).all()
+    assert (q_out[1] == 0).all(), "a zero q stays zero through the norm and the rotation"
 
 
 def test_fused_launch_checks():

@@ -99,6 +99,28 @@ def test_rope_kv_with_head_norm_matches_norm_then_reference(T, Hq, Hk, D, dtype,
         rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots, q_norm=q_norm)
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+def test_head_norm_reads_eps_and_keeps_a_zero_head_zero(eps):
+    """Found by a test audit: randn heads have a mean square near 1, where eps = 1e-6 moves nothing a
+    tolerance sees, so a head norm that dropped eps passed. Here q and k are scaled to a mean square
+    of about eps, and token 0's q and k are zero (0/0 without eps). The padding rows carry positions
+    outside the RoPE table, which the kernel clamps (no test fed one before)."""
+    from pcg_engine.kernels.norm import rms_norm_ref
+    q, k, v, positions, cos_sin, slots, cache = _case(5, 4, 2, 32, torch.float32, 4, 8, 2, True)
+    q.mul_(eps ** 0.5), k.mul_(eps ** 0.5)
+    q[0], k[0] = 0.0, 0.0
+    positions[3], positions[4] = -3, 10**9
+    q_norm, k_norm = torch.rand(32, device=DEVICE) + 0.5, torch.rand(32, device=DEVICE) + 0.5
+    ref_cache = cache.clone()
+    clamped = positions.clamp(0, cos_sin.shape[0] - 1)
+    ref_q = apply_rope(rms_norm_ref(q, q_norm, eps), clamped, cos_sin)
+    write_kv(apply_rope(rms_norm_ref(k, k_norm, eps), clamped, cos_sin), v, ref_cache, slots)
+    got = rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots, q_norm=q_norm, k_norm=k_norm, eps=eps)
+    torch.testing.assert_close(got, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], atol=1e-5, rtol=1e-5)
+    assert (got[0] == 0).all()
+
+
 def test_mismatched_arguments_are_refused_by_name():
     """The kernel takes T and head_dim from q and trusts every other argument to match: a narrower
     k or v, a shorter positions / slot_mapping, a cos_sin of another head_dim or a norm weight of

@@ -142,6 +142,25 @@ def test_norm_prologue_equals_add_rms_norm_then_linear(m, k, config, device, poi
     torch.testing.assert_close(residual_out, new_residual, atol=0, rtol=0)   # every row, by program 0
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+@pytest.mark.parametrize("config", [SkinnyConfig(16, 32, True), SkinnyConfig(4, 64, False)], ids=["dot", "sum"])
+def test_norm_prologue_reads_eps_and_keeps_a_zero_row_zero(eps, config, device, poison_empty):
+    """Found by a test audit: with randn rows (mean square ~1) eps = 1e-6 moves nothing a tolerance
+    sees. Here the rows' mean square is about eps, and row 0 (x + residual) is zero."""
+    from pcg_engine.kernels.norm import add_rms_norm_ref
+    scale = eps ** 0.5
+    x, residual = torch.randn(3, 48, device=device) * scale, torch.randn(3, 48, device=device) * scale
+    x[0], residual[0] = 0.0, 0.0
+    norm_weight = torch.rand(48, device=device) + 0.5
+    w = torch.randn(24, 48, device=device)
+    residual_out = torch.empty_like(x)
+    y = skinny_gemm(x, w, config, norm=(residual, norm_weight, eps, residual_out))
+    h, new_residual = add_rms_norm_ref(x, residual, norm_weight, eps)
+    torch.testing.assert_close(y, torch.nn.functional.linear(h, w), **FP32)
+    torch.testing.assert_close(residual_out, new_residual, atol=0, rtol=0)
+    assert (y[0] == 0).all()
+
+
 def test_add_rms_norm_linear_op_falls_back_on_cpu():
     import pcg_engine.kernels.ops  # noqa: F401
     from pcg_engine.kernels.norm import add_rms_norm_ref
