@@ -45,7 +45,7 @@ def plan_key(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs:
 class AttentionPlan:
     """The recorded launches of one unified_attention argument set (module docstring)."""
 
-    __slots__ = ("main", "merge", "part_numel", "lse_offset", "device", "counters", "stream_device")
+    __slots__ = ("main", "merge", "part_numel", "lse_offset", "device", "counters", "stream_device", "bound")
 
     def __init__(self, main, merge, part_numel: int, lse_offset: int, device: torch.device,
                  counters: int | None):
@@ -56,6 +56,7 @@ class AttentionPlan:
         self.device = device            # of the partial buffer
         self.counters = counters        # fused merge's counter address; None: `out` stands in
         self.stream_device = fast_launch.current_device()  # the JIT launched on its stream (in the key)
+        self.bound: LayerCalls | None = None               # the last for_layers() result
 
     def __call__(self, q_p: int, cache_p: int, out_p: int, qsl_p: int, lens_p: int, table_p: int) -> bool:
         """Launch with these addresses; False (nothing launched) where the JIT must do it."""
@@ -75,3 +76,53 @@ class AttentionPlan:
         if self.merge is not None:
             self.merge(stream, (po, pl, out_p))
         return True  # `part` is freed on return: stream order protects it, as for a JIT launch
+
+    def for_layers(self, layers: tuple, qsl_p: int, lens_p: int, table_p: int) -> LayerCalls | None:
+        """This plan's launches for each of `layers` ((q, cache, out) addresses, in order) with these
+        metadata addresses, on the current stream; None where the JIT must launch (jit_only, an
+        address the plan does not serve). For a replay program (compile/replay_program.py), which
+        asks every step for the same layers: the last result is kept and served again while the
+        stream, the layers (the same tuple) and the addresses stay the same."""
+        if fast_launch.jit_only():
+            return None
+        stream = fast_launch.current_stream(self.stream_device)
+        bound = self.bound
+        if bound is not None:
+            bound.part = None       # the last step's, back to the allocator before this step's
+        part = None
+        if self.part_numel:
+            # As __call__ does once a layer, once a step: the layers overwrite it in turn, in stream
+            # order, and it goes back to torch's allocator after the step's launches. The allocator
+            # hands the same block back step after step, so the kept calls serve again.
+            part = torch.empty(self.part_numel, dtype=torch.float32, device=self.device)
+        po = part.data_ptr() if part is not None else 0
+        key = (stream, qsl_p, lens_p, table_p, po)
+        if bound is not None and bound.layers is layers and bound.key == key:
+            bound.part = part
+            return bound
+        if (qsl_p | lens_p | table_p | po) & 15 or any((q | c | o) & 15 for q, c, o in layers):
+            return None
+        pl = po + self.lse_offset
+        calls = []
+        for q_p, cache_p, out_p in layers:
+            p_out, p_lse = (po, pl) if part is not None else (out_p, out_p)   # unused without a split
+            ctr = out_p if self.counters is None else self.counters
+            main = ((self.main.run, self.main.args(stream, (q_p, cache_p, out_p, qsl_p, lens_p, table_p,
+                                                              p_out, p_lse, ctr))),)
+            merge = (((self.merge.run, self.merge.args(stream, (po, pl, out_p))),) if self.merge is not None else ())
+            calls.append(main + merge)
+        self.bound = LayerCalls(layers, key, calls, part)
+        return self.bound
+
+
+class LayerCalls:
+    """An AttentionPlan's launches bound to a replay program's layers: `calls[i]` holds layer i's
+    (run, args) pairs (the main kernel, then the merge where the plan splits without a fused merge),
+    to call as run(*args), which is what the plan's __call__ does for that layer without working any
+    argument out again. `part` holds this step's partial buffer (a split plan) until the caller drops
+    the object's use for the step."""
+
+    __slots__ = ("layers", "key", "calls", "part")
+
+    def __init__(self, layers: tuple, key: tuple, calls: list, part):
+        self.layers, self.key, self.calls, self.part = layers, key, calls, part

@@ -147,11 +147,12 @@ class TritonAttentionBackend(AttentionBackend):
         return rope_and_write_kv(q, k, v, positions, self.cos_sin, kv_cache, slot_mapping, q_norm=q_norm,
                                  k_norm=k_norm, eps=eps)
 
-    def layer_launcher(self, meta: AttentionMetadata, q, kv_cache, out):
-        """For a replay program (compile/replay_program.py): a function (q, kv_cache, out addresses)
-        -> bool that launches what forward() would for a layer whose tensors have these tensors'
-        shapes, strides and dtypes, looking the step's launch plan up once instead of once a layer.
-        It returns False, launching nothing, where forward() must run; None: use forward() throughout."""
+    def layer_calls(self, meta: AttentionMetadata, q, kv_cache, out, layers: tuple):
+        """For a replay program (compile/replay_program.py): the launches forward() would make for
+        each of `layers` ((q, kv_cache, out) addresses of tensors with these tensors' shapes, strides
+        and dtypes), as a launch_plan.LayerCalls, the step's launch plan looked up once for them all.
+        None: run forward() for each (no plan recorded yet for this step's host values, or a call the
+        plans do not serve)."""
         if self.graphed or self.fuse_rope or self._deferred is not None:
             return None
         splits = meta.num_splits
@@ -161,13 +162,8 @@ class TritonAttentionBackend(AttentionBackend):
                            meta.max_query_len, self.scale, splits)
         if plan is None:
             return None
-        qsl, lens, table = meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.block_table.data_ptr()
-        if (qsl | lens | table) & 15:  # plans serve 16-byte aligned pointers only (launch_plan.py)
-            return None
-
-        def launch(q_p: int, cache_p: int, out_p: int) -> bool:
-            return not (q_p | cache_p | out_p) & 15 and plan(q_p, cache_p, out_p, qsl, lens, table)
-        return launch
+        return plan.for_layers(layers, meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+                               meta.block_table.data_ptr())
 
     def forward(self, q, out, kv_cache, meta: AttentionMetadata) -> None:
         # The eager part of a piecewise step, once per layer: keep the Python short. The eager

@@ -25,9 +25,15 @@ varies for a runner, the token count; a change they would catch otherwise (a new
 KV caches) replaces the graphs themselves, and the pool drops every program whenever it captures.
 
 Attention: when every op of the tape is pcg::attention on tensors of one shape (as in every layer
-of these models) and the backend offers `layer_launcher`, the step's launch plan is looked up once,
-for the first layer, and each layer passes only its three addresses (launch_plan.py); a layer the
-launcher declines runs the op's kernel as recorded.
+of these models) and the backend offers `layer_calls`, the step's launch plan is looked up once for
+all layers and bound to their addresses (launch_plan.LayerCalls), and the program runs as one flat
+list of calls: graph replays and Triton's launcher with every argument ready. The binding is kept
+while the plan, the stream and the addresses stay (a decode's plan changes only when its split
+count does), so a step spends no Python per layer beyond the calls themselves: at batch 1 the
+per-layer path (closure, plan, recorded launch: four Python frames) was most of a piecewise step's
+host time, ~11 µs a layer under cProfile on the H200's host (docs/PERF.md, session 32). Without a
+binding (no plan yet for the step's host values: the first step at a new split count; jit_only, a
+profiler's hooks), each layer runs the op's kernel as recorded, which records the plan for the next.
 
 PCG_REPLAY_PROGRAM=0 (read at import) keeps the traced path for every forward (A/B runs).
 """
@@ -69,11 +75,10 @@ class Tape:
 
 
 class _OpCall:
-    __slots__ = ("target", "kernel", "args", "ptrs")
+    __slots__ = ("target", "kernel", "args")
 
     def __init__(self, target, kernel, args):
         self.target, self.kernel, self.args = target, kernel, args
-        self.ptrs = None   # (q, kv_cache, out) addresses when the attention launcher serves it
 
 
 class RecordingOp:
@@ -115,10 +120,10 @@ class ReplayProgram:
         self.runs = 0
         ops = [s for s in steps if isinstance(s, _OpCall)]
         self.attention = _uniform_attention(ops)   # (q, kv_cache, out) of the first op, or None
-        if self.attention is not None:
-            for s in ops:
-                q, kv_cache, out = s.args
-                s.ptrs = (q.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
+        # Each op's (q, kv_cache, out) addresses, in order: one tuple for the program's life, which
+        # the plan's binding keeps and recognises by identity.
+        self.layers = tuple(tuple(t.data_ptr() for t in s.args) for s in ops) if self.attention is not None else ()
+        self._flat, self._flat_for = None, None    # the steps as (fn, args), for one binding's calls
 
     @classmethod
     def build(cls, tape: Tape, output, input_ids, positions) -> ReplayProgram | None:
@@ -135,25 +140,41 @@ class ReplayProgram:
         return (input_ids.data_ptr(), positions.data_ptr()) == self.input_ptrs
 
     def run(self, pool) -> torch.Tensor:
-        launch = make = None
-        if self.attention is not None:
-            context = get_forward_context()
-            meta = context.metadata
-            make = getattr(context.backend, "layer_launcher", None) if meta is not None else None
-            if make is not None:
-                launch = make(meta, *self.attention)
-        for step in self.steps:
-            if isinstance(step, _OpCall):
-                if launch is None or not launch(*step.ptrs):
+        bound = self._layer_calls()
+        if bound is None:
+            for step in self.steps:
+                if isinstance(step, _OpCall):
                     step.kernel(*step.args)
-                    if make is not None and launch is None:
-                        # New host values: the first layer's call has just recorded their plan.
-                        launch, make = make(meta, *self.attention), None
-            else:
-                step.replay()
+                else:
+                    step.replay()
+        else:
+            if self._flat_for is not bound.calls:
+                self._flat, self._flat_for = self._flatten(bound.calls), bound.calls
+            for fn, args in self._flat:
+                fn(*args)
+            bound.part = None        # the step's partial buffer: back to the allocator, in stream order
         pool.replays += self.graphs
         self.runs += 1
         return self.output
+
+    def _layer_calls(self):
+        """The backend's launches bound to this program's layers for this step, or None."""
+        if self.attention is None:
+            return None
+        context = get_forward_context()
+        make = getattr(context.backend, "layer_calls", None) if context.metadata is not None else None
+        return make(context.metadata, *self.attention, self.layers) if make is not None else None
+
+    def _flatten(self, calls) -> list:
+        """The steps as (fn, args): each graph's replay, each op's bound launches in its place."""
+        flat, layer = [], 0
+        for step in self.steps:
+            if isinstance(step, _OpCall):
+                flat.extend(calls[layer])
+                layer += 1
+            else:
+                flat.append((step.replay, ()))
+        return flat
 
 
 def _uniform_attention(ops):

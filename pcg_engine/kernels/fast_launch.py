@@ -168,6 +168,11 @@ class RecordedLaunch:
         g0, g1, g2 = self.grid
         self.run(g0, g1, g2, stream, self.function, self.packed, None, None, None, *ptrs, *self.rest)
 
+    def args(self, stream: int, ptrs: tuple = ()) -> tuple:
+        """What __call__ passes to `self.run`: a caller that repeats a launch with the same stream and
+        pointers keeps the tuple and calls self.run(*args) itself (attention/launch_plan.py)."""
+        return (*self.grid, stream, self.function, self.packed, None, None, None, *ptrs, *self.rest)
+
 
 def _as_arg(value):
     """A bound argument as a recorded launch passes it, or _NO if it cannot be recorded."""

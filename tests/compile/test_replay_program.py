@@ -49,22 +49,25 @@ def _record(log, layers, op, output):
     return pool, pool.tape
 
 
+class FakeCalls:
+    """launch_plan.LayerCalls' shape: per layer, (fn, args) pairs the program calls as fn(*args)."""
+
+    def __init__(self, calls):
+        self.calls, self.part = calls, "the step's partial buffer"
+
+
 class FakeBackend:
-    def __init__(self, log, accept, plans_after=0):
-        self.log, self.accept, self.made = log, accept, []
-        self.plans_after = plans_after   # calls that find no plan yet (None) before one exists
+    def __init__(self, log, bind=True):
+        self.log, self.bind, self.made = log, bind, []
+        self.bound = None
 
-    def layer_launcher(self, meta, q, kv_cache, out):
-        self.made.append((meta, q, kv_cache, out))
-        if len(self.made) <= self.plans_after:
+    def layer_calls(self, meta, q, kv_cache, out, layers):
+        self.made.append((meta, q, kv_cache, out, layers))
+        if not self.bind:
             return None
-
-        def launch(q_p, cache_p, out_p):
-            ok = self.accept(q_p)
-            if ok:
-                self.log.append(("launch", q_p, cache_p, out_p))
-            return ok
-        return launch
+        if self.bound is None:      # kept across steps, as AttentionPlan.for_layers keeps its binding
+            self.bound = FakeCalls([((self.log.append, (("launch",) + ptrs,)),) for ptrs in layers])
+        return self.bound
 
 
 def test_program_replays_and_calls_in_recorded_order():
@@ -79,7 +82,7 @@ def test_program_replays_and_calls_in_recorded_order():
     recorded = list(log)  # the recording forward itself: ops called through, graphs untouched
     assert recorded == [("kernel", q.data_ptr(), kv.data_ptr(), out.data_ptr()) for q, kv, out in layers]
 
-    # A backend without layer_launcher: every op runs its kernel on the recorded tensors.
+    # A backend without layer_calls: every op runs its kernel on the recorded tensors.
     log.clear()
     with set_forward_context(ForwardContext(object(), [], object())):
         assert program.run(pool) is output
@@ -89,42 +92,54 @@ def test_program_replays_and_calls_in_recorded_order():
     assert log == expected + ["g3"] and pool.replays == 4 and program.runs == 1
 
 
-def test_attention_launcher_serves_layers_and_declined_ones_fall_back():
+def test_bound_layer_calls_replace_every_kernel_in_order():
+    """With the backend's binding, a step is one flat list: each graph's replay, each layer's bound
+    launch in its place, no op kernel; the binding is asked for once a step with the program's own
+    layer addresses (one tuple for its life), and the flat list is reused while the binding is."""
     log = []
     layers = _layers(4)
     output = torch.randn(4, 16)
     pool, tape = _record(log, layers, _op(log), output)
     program = ReplayProgram.build(tape, output, torch.zeros(4), torch.zeros(4))
-    declined = layers[2][0].data_ptr()   # the launcher refuses the third layer: its kernel runs
-    backend = FakeBackend(log, accept=lambda q_p: q_p != declined)
+    backend = FakeBackend(log)
     meta = object()
-    log.clear()
-    with set_forward_context(ForwardContext(meta, [], backend)):
-        program.run(pool)
-    # one launcher a step, made from the first layer's tensors
-    (m, q, kv, out), = backend.made
+    flats = []
+    for _ in range(2):
+        log.clear()
+        with set_forward_context(ForwardContext(meta, [], backend)):
+            assert program.run(pool) is output
+        expected = []
+        for i, (q, kv, out) in enumerate(layers):
+            expected += [f"g{i}", ("launch", q.data_ptr(), kv.data_ptr(), out.data_ptr())]
+        assert log == expected + ["g4"]
+        flats.append(program._flat)
+        assert backend.bound.part is None    # the step's partial buffer is let go after the step
+        backend.bound.part = "next step's"
+    assert len(backend.made) == 2 and flats[0] is flats[1]
+    (m, q, kv, out, addresses), _ = backend.made
     assert m is meta and (q, kv, out) == layers[0]
-    expected = []
-    for i, (q, kv, out) in enumerate(layers):
-        kind = "kernel" if i == 2 else "launch"
-        expected += [f"g{i}", (kind, q.data_ptr(), kv.data_ptr(), out.data_ptr())]
-    assert log == expected + ["g4"]
+    assert addresses is backend.made[1][4] and addresses == tuple(tuple(t.data_ptr() for t in layer) for layer in layers)
+    assert pool.replays == 10 and program.runs == 2
 
 
-def test_a_plan_missing_at_the_start_is_looked_up_again_once():
-    """New host values: no plan before the first layer's call, which records it; the program asks
-    again once after that call, and only once when there is still none."""
+def test_without_a_binding_every_layer_runs_its_kernel():
+    """No plan yet for the step's host values (or a profiler's hooks): the op kernels run as
+    recorded, each layer in its place; the next step with a binding launches through it."""
     log = []
     layers = _layers(3)
     output = torch.randn(4, 16)
     pool, tape = _record(log, layers, _op(log), output)
     program = ReplayProgram.build(tape, output, torch.zeros(4), torch.zeros(4))
-    for plans_after, kinds in [(1, ["kernel", "launch", "launch"]), (5, ["kernel"] * 3)]:
-        backend = FakeBackend(log, accept=lambda q_p: True, plans_after=plans_after)
+    backend = FakeBackend(log, bind=False)
+    for bind, kind in [(False, "kernel"), (True, "launch")]:
+        backend.bind = bind
         log.clear()
         with set_forward_context(ForwardContext(object(), [], backend)):
             program.run(pool)
-        assert [e[0] for e in log if isinstance(e, tuple)] == kinds and len(backend.made) == 2
+        expected = []
+        for i, (q, kv, out) in enumerate(layers):
+            expected += [f"g{i}", (kind, q.data_ptr(), kv.data_ptr(), out.data_ptr())]
+        assert log == expected + ["g3"]
 
 
 def test_no_launcher_for_mixed_shapes_or_other_ops():
@@ -134,7 +149,7 @@ def test_no_launcher_for_mixed_shapes_or_other_ops():
     pool, tape = _record(log, layers, _op(log), output)
     program = ReplayProgram.build(tape, output, torch.zeros(4), torch.zeros(4))
     assert program is not None and program.attention is None
-    backend = FakeBackend(log, accept=lambda q_p: True)
+    backend = FakeBackend(log)
     with set_forward_context(ForwardContext(object(), [], backend)):
         program.run(pool)
     assert backend.made == [] and sum(1 for e in log if e[0] == "kernel") == 2 * 3   # recording + run

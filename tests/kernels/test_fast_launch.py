@@ -332,6 +332,67 @@ def test_hooks_and_switch_take_the_jit(fake_attention, monkeypatch):
     assert len(log) == 4
 
 
+@pytest.mark.parametrize("splits,tuning", [(1, None), (3, None), (3, triton_attention.DecodeTuning(fused_merge=True))],
+                         ids=["unsplit", "merge_kernel", "fused_merge"])
+def test_plan_bound_to_layers_launches_what_each_layer_call_would(fake_attention, monkeypatch, splits, tuning):
+    """AttentionPlan.for_layers (replay programs): layer i's bound (run, args) pairs hand the launcher
+    what plan(layer i's addresses) does; the binding is served again for the same layers tuple,
+    stream and addresses, made anew when the stream changes, and refused (None) under jit_only or
+    for a misaligned address."""
+    log, main, merge = fake_attention
+    b = batch()
+    q, cache, out, qsl, lens, table = b
+    attend(b, splits=splits, tuning=tuning)
+    plan = triton_attention.cached_plan(q, cache, out, qsl, lens, table, 3, 1, 0.125, splits, tuning)
+    assert plan is not None
+    with_merge = splits > 1 and tuning is None
+    main_part, merge_part = ((6, 7), (0, 1)) if splits > 1 else ((), ())
+    layer_tensors = [(torch.randn(5, 4, 32).to(torch.bfloat16), torch.randn(2, 9, 16, 2, 32).to(torch.bfloat16),
+                      torch.empty(5, 4, 32, dtype=torch.bfloat16)) for _ in range(3)]
+    layers = tuple(tuple(t.data_ptr() for t in layer) for layer in layer_tensors)
+    metadata = (qsl.data_ptr(), lens.data_ptr(), table.data_ptr())
+
+    # what the per-layer path launches for each layer
+    main.calls.clear(), merge.calls.clear()
+    for ptrs in layers:
+        assert plan(*ptrs, *metadata)
+    want_main = [normalised(c, main_part) for c in main.calls]
+    want_merge = [normalised(c, merge_part) for c in merge.calls]
+
+    bound = plan.for_layers(layers, *metadata)
+    assert bound is not None and len(bound.calls) == 3
+    assert [len(c) for c in bound.calls] == [1 + with_merge] * 3
+    main.calls.clear(), merge.calls.clear()
+    for calls in bound.calls:
+        for run, args in calls:
+            run(*args)
+    assert [normalised(c, main_part) for c in main.calls] == want_main
+    assert [normalised(c, merge_part) for c in merge.calls] == want_merge
+    if with_merge:      # each merge reads the partials its main call wrote
+        for m, c in zip(main.calls, merge.calls):
+            assert as_launched(m)[9 + 6] == as_launched(c)[9]
+    assert (bound.part is not None) == (splits > 1)
+
+    bound.part = None                  # the program lets the step's partial buffer go
+    # The next step: served again, unless the allocator handed the partial buffer out at another
+    # address (the CPU's may; torch's CUDA allocator hands the same block back), then bound anew.
+    key = bound.key
+    again = plan.for_layers(layers, *metadata)
+    assert (again is bound) == (again.key == key) and (again is bound or splits > 1)
+    bound = again
+    assert plan.for_layers(tuple(list(layers)), *metadata) is not bound   # other layers: bound anew
+    bound = plan.for_layers(layers, *metadata)
+    monkeypatch.setattr(fast_launch, "current_stream", lambda device=None: STREAM + 1)
+    rebound = plan.for_layers(layers, *metadata)
+    assert rebound is not bound and all(args[3] == STREAM + 1 for calls in rebound.calls for _, args in calls)
+    monkeypatch.setattr(fast_launch, "jit_only", lambda: True)
+    assert plan.for_layers(layers, *metadata) is None
+    monkeypatch.setattr(fast_launch, "jit_only", lambda: False)
+    odd = (layers[0][0] + 4,) + layers[0][1:]
+    assert plan.for_layers((odd,) + layers[1:], *metadata) is None
+    assert len(log) == 1 + with_merge          # the JIT launched only the first call
+
+
 def test_launch_cache_get_survives_an_eviction_between_its_two_calls():
     """The caches are module-level, shared by engines stepped in other threads: another thread's
     put() can evict a key between get()'s lookup and its move_to_end (a KeyError before)."""
