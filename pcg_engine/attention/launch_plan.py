@@ -45,7 +45,7 @@ def plan_key(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_reqs:
 class AttentionPlan:
     """The recorded launches of one unified_attention argument set (module docstring)."""
 
-    __slots__ = ("main", "merge", "part_numel", "lse_offset", "device", "counters", "stream_device", "bound")
+    __slots__ = ("main", "merge", "part_numel", "lse_offset", "device", "counters", "stream_device")
 
     def __init__(self, main, merge, part_numel: int, lse_offset: int, device: torch.device,
                  counters: int | None):
@@ -56,7 +56,6 @@ class AttentionPlan:
         self.device = device            # of the partial buffer
         self.counters = counters        # fused merge's counter address; None: `out` stands in
         self.stream_device = fast_launch.current_device()  # the JIT launched on its stream (in the key)
-        self.bound: LayerCalls | None = None               # the last for_layers() result
 
     def __call__(self, q_p: int, cache_p: int, out_p: int, qsl_p: int, lens_p: int, table_p: int) -> bool:
         """Launch with these addresses; False (nothing launched) where the JIT must do it."""
@@ -77,29 +76,29 @@ class AttentionPlan:
             self.merge(stream, (po, pl, out_p))
         return True  # `part` is freed on return: stream order protects it, as for a JIT launch
 
-    def for_layers(self, layers: tuple, qsl_p: int, lens_p: int, table_p: int) -> LayerCalls | None:
+    def for_layers(self, layers: tuple, qsl_p: int, lens_p: int, table_p: int,
+                   last: LayerCalls | None = None) -> LayerCalls | None:
         """This plan's launches for each of `layers` ((q, cache, out) addresses, in order) with these
         metadata addresses, on the current stream; None where the JIT must launch (jit_only, an
         address the plan does not serve). For a replay program (compile/replay_program.py), which
-        asks every step for the same layers: the last result is kept and served again while the
-        stream, the layers (the same tuple) and the addresses stay the same."""
+        asks every step for the same layers and passes its previous result as `last`: that is
+        served again while the plan, the stream, the layers (the same tuple) and the addresses stay.
+        The plan itself keeps nothing: plans are shared by the engines of a process, which may step
+        in threads of their own, while each program's binding and partial buffer are its own."""
         if fast_launch.jit_only():
             return None
         stream = fast_launch.current_stream(self.stream_device)
-        bound = self.bound
-        if bound is not None:
-            bound.part = None       # the last step's, back to the allocator before this step's
         part = None
         if self.part_numel:
             # As __call__ does once a layer, once a step: the layers overwrite it in turn, in stream
-            # order, and it goes back to torch's allocator after the step's launches. The allocator
-            # hands the same block back step after step, so the kept calls serve again.
+            # order, and the caller lets it go after the step's launches. Torch's allocator hands
+            # the same block back step after step, so `last` serves again.
             part = torch.empty(self.part_numel, dtype=torch.float32, device=self.device)
         po = part.data_ptr() if part is not None else 0
         key = (stream, qsl_p, lens_p, table_p, po)
-        if bound is not None and bound.layers is layers and bound.key == key:
-            bound.part = part
-            return bound
+        if last is not None and last.plan is self and last.layers is layers and last.key == key:
+            last.part = part
+            return last
         if (qsl_p | lens_p | table_p | po) & 15 or any((q | c | o) & 15 for q, c, o in layers):
             return None
         pl = po + self.lse_offset
@@ -111,8 +110,7 @@ class AttentionPlan:
                                                               p_out, p_lse, ctr))),)
             merge = (((self.merge.run, self.merge.args(stream, (po, pl, out_p))),) if self.merge is not None else ())
             calls.append(main + merge)
-        self.bound = LayerCalls(layers, key, calls, part)
-        return self.bound
+        return LayerCalls(self, layers, key, calls, part)
 
 
 class LayerCalls:
@@ -122,7 +120,7 @@ class LayerCalls:
     argument out again. `part` holds this step's partial buffer (a split plan) until the caller drops
     the object's use for the step."""
 
-    __slots__ = ("layers", "key", "calls", "part")
+    __slots__ = ("plan", "layers", "key", "calls", "part")
 
-    def __init__(self, layers: tuple, key: tuple, calls: list, part):
-        self.layers, self.key, self.calls, self.part = layers, key, calls, part
+    def __init__(self, plan: AttentionPlan, layers: tuple, key: tuple, calls: list, part):
+        self.plan, self.layers, self.key, self.calls, self.part = plan, layers, key, calls, part

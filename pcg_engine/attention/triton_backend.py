@@ -147,12 +147,12 @@ class TritonAttentionBackend(AttentionBackend):
         return rope_and_write_kv(q, k, v, positions, self.cos_sin, kv_cache, slot_mapping, q_norm=q_norm,
                                  k_norm=k_norm, eps=eps)
 
-    def layer_calls(self, meta: AttentionMetadata, q, kv_cache, out, layers: tuple):
+    def layer_calls(self, meta: AttentionMetadata, q, kv_cache, out, layers: tuple, last=None):
         """For a replay program (compile/replay_program.py): the launches forward() would make for
         each of `layers` ((q, kv_cache, out) addresses of tensors with these tensors' shapes, strides
-        and dtypes), as a launch_plan.LayerCalls, the step's launch plan looked up once for them all.
-        None: run forward() for each (no plan recorded yet for this step's host values, or a call the
-        plans do not serve)."""
+        and dtypes), as a launch_plan.LayerCalls, the step's launch plan looked up once for them all
+        (`last`: the program's previous one, served again where it still holds). None: run forward()
+        for each (no plan recorded yet for this step's host values, or a call the plans do not serve)."""
         if self.graphed or self.fuse_rope or self._deferred is not None:
             return None
         splits = meta.num_splits
@@ -163,7 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
         if plan is None:
             return None
         return plan.for_layers(layers, meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-                               meta.block_table.data_ptr())
+                               meta.block_table.data_ptr(), last)
 
     def forward(self, q, out, kv_cache, meta: AttentionMetadata) -> None:
         # The eager part of a piecewise step, once per layer: keep the Python short. The eager

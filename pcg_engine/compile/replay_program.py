@@ -123,6 +123,7 @@ class ReplayProgram:
         # Each op's (q, kv_cache, out) addresses, in order: one tuple for the program's life, which
         # the plan's binding keeps and recognises by identity.
         self.layers = tuple(tuple(t.data_ptr() for t in s.args) for s in ops) if self.attention is not None else ()
+        self._bound = None                         # the last step's LayerCalls (the program's own)
         self._flat, self._flat_for = None, None    # the steps as (fn, args), for one binding's calls
 
     @classmethod
@@ -140,7 +141,7 @@ class ReplayProgram:
         return (input_ids.data_ptr(), positions.data_ptr()) == self.input_ptrs
 
     def run(self, pool) -> torch.Tensor:
-        bound = self._layer_calls()
+        bound = self._bound = self._layer_calls()
         if bound is None:
             for step in self.steps:
                 if isinstance(step, _OpCall):
@@ -163,7 +164,7 @@ class ReplayProgram:
             return None
         context = get_forward_context()
         make = getattr(context.backend, "layer_calls", None) if context.metadata is not None else None
-        return make(context.metadata, *self.attention, self.layers) if make is not None else None
+        return make(context.metadata, *self.attention, self.layers, self._bound) if make is not None else None
 
     def _flatten(self, calls) -> list:
         """The steps as (fn, args): each graph's replay, each op's bound launches in its place."""

@@ -61,13 +61,14 @@ class FakeBackend:
         self.log, self.bind, self.made = log, bind, []
         self.bound = None
 
-    def layer_calls(self, meta, q, kv_cache, out, layers):
-        self.made.append((meta, q, kv_cache, out, layers))
+    def layer_calls(self, meta, q, kv_cache, out, layers, last=None):
+        self.made.append((meta, q, kv_cache, out, layers, last))
         if not self.bind:
             return None
-        if self.bound is None:      # kept across steps, as AttentionPlan.for_layers keeps its binding
+        if last is None:      # the program's last binding is served again, as AttentionPlan.for_layers does
             self.bound = FakeCalls([((self.log.append, (("launch",) + ptrs,)),) for ptrs in layers])
-        return self.bound
+            return self.bound
+        return last
 
 
 def test_program_replays_and_calls_in_recorded_order():
@@ -116,8 +117,9 @@ def test_bound_layer_calls_replace_every_kernel_in_order():
         assert backend.bound.part is None    # the step's partial buffer is let go after the step
         backend.bound.part = "next step's"
     assert len(backend.made) == 2 and flats[0] is flats[1]
-    (m, q, kv, out, addresses), _ = backend.made
-    assert m is meta and (q, kv, out) == layers[0]
+    (m, q, kv, out, addresses, last), _ = backend.made
+    assert m is meta and (q, kv, out) == layers[0] and last is None
+    assert backend.made[1][5] is backend.bound          # the program passed its own last binding
     assert addresses is backend.made[1][4] and addresses == tuple(tuple(t.data_ptr() for t in layer) for layer in layers)
     assert pool.replays == 10 and program.runs == 2
 

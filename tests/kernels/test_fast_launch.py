@@ -374,23 +374,35 @@ def test_plan_bound_to_layers_launches_what_each_layer_call_would(fake_attention
     assert (bound.part is not None) == (splits > 1)
 
     bound.part = None                  # the program lets the step's partial buffer go
-    # The next step: served again, unless the allocator handed the partial buffer out at another
-    # address (the CPU's may; torch's CUDA allocator hands the same block back), then bound anew.
+    # The next step passes its last binding: served again, unless the allocator handed the partial
+    # buffer out at another address (the CPU's may; torch's CUDA allocator hands the same block
+    # back), then bound anew. The plan keeps nothing: without `last`, a new binding.
     key = bound.key
-    again = plan.for_layers(layers, *metadata)
+    again = plan.for_layers(layers, *metadata, bound)
     assert (again is bound) == (again.key == key) and (again is bound or splits > 1)
     bound = again
-    assert plan.for_layers(tuple(list(layers)), *metadata) is not bound   # other layers: bound anew
-    bound = plan.for_layers(layers, *metadata)
+    assert plan.for_layers(layers, *metadata) is not bound
+    assert plan.for_layers(tuple(list(layers)), *metadata, bound) is not bound   # other layers: bound anew
     monkeypatch.setattr(fast_launch, "current_stream", lambda device=None: STREAM + 1)
-    rebound = plan.for_layers(layers, *metadata)
+    rebound = plan.for_layers(layers, *metadata, bound)
     assert rebound is not bound and all(args[3] == STREAM + 1 for calls in rebound.calls for _, args in calls)
     monkeypatch.setattr(fast_launch, "jit_only", lambda: True)
-    assert plan.for_layers(layers, *metadata) is None
+    assert plan.for_layers(layers, *metadata, rebound) is None
     monkeypatch.setattr(fast_launch, "jit_only", lambda: False)
     odd = (layers[0][0] + 4,) + layers[0][1:]
     assert plan.for_layers((odd,) + layers[1:], *metadata) is None
     assert len(log) == 1 + with_merge          # the JIT launched only the first call
+    # Plans are shared by the engines of a process (threads may step them side by side): another
+    # program binding the same plan leaves this one's binding and partial buffer alone.
+    first = plan.for_layers(layers, *metadata)
+    second = plan.for_layers(tuple(list(layers)), *metadata)
+    assert second is not first and (first.part is not None) == (splits > 1)
+    # another plan (another split count) never serves this one's binding
+    attend(b, splits=splits + 1, tuning=tuning)
+    other = triton_attention.cached_plan(q, cache, out, qsl, lens, table, 3, 1, 0.125, splits + 1, tuning)
+    assert other is not plan
+    bound = plan.for_layers(layers, *metadata)
+    assert other.for_layers(layers, *metadata, bound).plan is other
 
 
 def test_launch_cache_get_survives_an_eviction_between_its_two_calls():
