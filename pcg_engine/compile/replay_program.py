@@ -121,7 +121,7 @@ class ReplayProgram:
         ops = [s for s in steps if isinstance(s, _OpCall)]
         self.attention = _uniform_attention(ops)   # (q, kv_cache, out) of the first op, or None
         # Each op's (q, kv_cache, out) addresses, in order: one tuple for the program's life, which
-        # the plan's binding keeps and recognises by identity.
+        # its binding (launch_plan.LayerCalls) keeps and recognises by identity.
         self.layers = tuple(tuple(t.data_ptr() for t in s.args) for s in ops) if self.attention is not None else ()
         self._bound = None                         # the last step's LayerCalls (the program's own)
         self._flat, self._flat_for = None, None    # the steps as (fn, args), for one binding's calls
