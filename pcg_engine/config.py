@@ -313,7 +313,8 @@ class EngineConfig:
 # (the benchmarks' flags had none, so their --help did not say what an unset one does).
 FLAG_HELP = {
     "max_model_len": "default: the checkpoint's max_position_embeddings, at most 4096",
-    # (no fixed size: --block-size and --gpu-memory-utilization change it)
+    # (no fixed size: --block-size and --gpu-memory-utilization change it; the benchmarks, which have
+    # no --block-size, say the default's size instead)
     "num_kv_blocks": "KV cache blocks of --block-size tokens (default: what --gpu-memory-utilization of the GPU's "
                      f"memory leaves; {EngineConfig.cpu_kv_blocks} on the CPU)",
     "max_num_batched_tokens": f"tokens a step may hold, 1..{MAX_NUM_BATCHED_TOKENS} "

@@ -20,6 +20,13 @@ caching allocator's blocks are 512-byte aligned and part_lse starts a multiple o
 part_out, so both keep the class the record was made with (checked per call anyway). The fused
 merge's arrival counters are a persistent buffer that is never freed (triton_attention's
 _split_counters retires outgrown ones), so a plan may keep its address.
+
+Replay programs (compile/replay_program.py) call the same layers step after step: `for_layers`
+binds a plan to all of them at once (LayerCalls: each layer's launcher calls with every argument
+ready), with one partial buffer a step that the layers overwrite in turn, and the program passes
+its last binding back to be served again while nothing in it changed. The addresses' alignment
+is then checked when binding, not per call. Plans are shared by the engines of a process; a
+binding and its buffer belong to the one program that asked.
 """
 
 from __future__ import annotations
@@ -101,7 +108,7 @@ class AttentionPlan:
             return last
         if (qsl_p | lens_p | table_p | po) & 15 or any((q | c | o) & 15 for q, c, o in layers):
             return None
-        pl = po + self.lse_offset
+        pl = po + self.lse_offset       # (po and pl serve a split plan only: its merge, its main kernel)
         calls = []
         for q_p, cache_p, out_p in layers:
             p_out, p_lse = (po, pl) if part is not None else (out_p, out_p)   # unused without a split

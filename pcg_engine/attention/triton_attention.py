@@ -294,7 +294,8 @@ def cached_plan(q, kv_cache, out, query_start_loc, seq_lens, block_table, num_re
                 scale: float, num_splits: int = 1, tuning: DecodeTuning | None = None):
     """The recorded plan that unified_attention would re-issue for these arguments (addresses
     aside), or None: none recorded yet, or a call the plans do not serve. For callers that launch
-    one plan for several layers (compile/replay_program.py); the plan takes the six addresses."""
+    one plan for several layers (the backend's layer_calls, for replay programs: the plan's
+    for_layers binds it to their addresses)."""
     if not fast_launch.ENABLED or num_reqs <= 0:
         return None
     return launch_plan.PLANS.get(launch_plan.plan_key(q, kv_cache, out, query_start_loc, seq_lens, block_table,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pcg_engine.config import FLAG_HELP
+from pcg_engine.config import FLAG_HELP, MODES, EngineConfig, check_kv_sizing_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,7 +102,8 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="requests run at once (default 256); overhead and profile set it from their own flag")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help=FLAG_HELP["max_num_batched_tokens"])
     g.add_argument("--max-model-len", type=int, default=None, help=FLAG_HELP["max_model_len"])
-    g.add_argument("--num-kv-blocks", type=int, default=None, help=FLAG_HELP["num_kv_blocks"])
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help=FLAG_HELP["num_kv_blocks"].replace("--block-size", str(EngineConfig.block_size)))
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help=FLAG_HELP["gpu_memory_utilization"])
     g.add_argument("--attention-backend", default=None, help=FLAG_HELP["attention_backend"])
     return p
@@ -127,7 +128,6 @@ _ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "m
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields given on the command line; the rest keep EngineConfig's defaults."""
-    from pcg_engine.config import check_kv_sizing_flags
     given = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
     check_kv_sizing_flags(given.get("device", "auto"), given.get("num_kv_blocks"), given.get("gpu_memory_utilization"))
     return given
@@ -136,7 +136,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def max_model_len_of(args: argparse.Namespace, model: str) -> int:
     """The max_model_len an engine built from these flags and this checkpoint will have, known
     before building it (config.json alone)."""
-    from pcg_engine.config import EngineConfig
     from pcg_engine.models.model_config import read_config
     return EngineConfig(**engine_kwargs(args)).resolved_max_model_len(read_config(model).max_position_embeddings)
 
@@ -146,7 +145,6 @@ def request_token_limit(args: argparse.Namespace, model: str) -> tuple[int, str,
     known before building it: (tokens, what sets them, the flag that raises them). max_model_len,
     or with --num-kv-blocks the KV cache when it holds fewer (block 0 is the scratch block): the
     engine refuses a request that could never fit in it, each one failing alone."""
-    from pcg_engine.config import EngineConfig
     limit = max_model_len_of(args, model)
     blocks = getattr(args, "num_kv_blocks", None)
     if blocks is not None:
@@ -192,7 +190,6 @@ def parse_modes(spec: str) -> list[tuple[str, dict]]:
 
     A mode is an EngineConfig mode (or auto); '+async' / '+sync' pin async scheduling (else the
     device default), '+unfused' loads without fusion or Triton kernels (the chapter's eager config)."""
-    from pcg_engine.config import MODES
     out = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if any(name == seen for seen, _ in out):
@@ -227,7 +224,6 @@ def check_modes(args: argparse.Namespace, modes: list[tuple[str, dict]]) -> None
     ModelRunner's that need no weights: the fields, Triton on this device, buckets the mode uses,
     a graph-safe attention backend for the full-graph modes."""
     from pcg_engine.cli import flag_wording
-    from pcg_engine.config import EngineConfig
     from pcg_engine.errors import ConfigError
     for name, mode_kw in modes:
         try:

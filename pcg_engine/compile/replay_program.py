@@ -151,9 +151,11 @@ class ReplayProgram:
         else:
             if self._flat_for is not bound.calls:
                 self._flat, self._flat_for = self._flatten(bound.calls), bound.calls
-            for fn, args in self._flat:
-                fn(*args)
-            bound.part = None        # the step's partial buffer: back to the allocator, in stream order
+            try:
+                for fn, args in self._flat:
+                    fn(*args)
+            finally:
+                bound.part = None    # the step's partial buffer: back to the allocator, in stream order
         pool.replays += self.graphs
         self.runs += 1
         return self.output

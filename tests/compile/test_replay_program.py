@@ -49,6 +49,15 @@ def _record(log, layers, op, output):
     return pool, pool.tape
 
 
+def _program(n):
+    """A program recorded from a forward of n layers: (log, layers, output, pool, program)."""
+    log = []
+    layers = _layers(n)
+    output = torch.randn(4, 16)
+    pool, tape = _record(log, layers, _op(log), output)
+    return log, layers, output, pool, ReplayProgram.build(tape, output, torch.zeros(4), torch.zeros(4))
+
+
 class FakeCalls:
     """launch_plan.LayerCalls' shape: per layer, (fn, args) pairs the program calls as fn(*args)."""
 
@@ -97,11 +106,7 @@ def test_bound_layer_calls_replace_every_kernel_in_order():
     """With the backend's binding, a step is one flat list: each graph's replay, each layer's bound
     launch in its place, no op kernel; the binding is asked for once a step with the program's own
     layer addresses (one tuple for its life), and the flat list is reused while the binding is."""
-    log = []
-    layers = _layers(4)
-    output = torch.randn(4, 16)
-    pool, tape = _record(log, layers, _op(log), output)
-    program = ReplayProgram.build(tape, output, torch.zeros(4), torch.zeros(4))
+    log, layers, output, pool, program = _program(4)
     backend = FakeBackend(log)
     meta = object()
     flats = []
@@ -124,14 +129,25 @@ def test_bound_layer_calls_replace_every_kernel_in_order():
     assert pool.replays == 10 and program.runs == 2
 
 
+def test_a_new_binding_replaces_the_flat_list():
+    """The split count changed (another plan), or its buffers moved: the backend binds anew, and the
+    step runs the new binding's calls, not the last step's."""
+    log, layers, output, pool, program = _program(2)
+    backend = FakeBackend(log)
+    for kind in ("launch", "rebound"):
+        if kind == "rebound":
+            backend.layer_calls = lambda meta, q, kv, out, addresses, last=None: FakeCalls(
+                [((log.append, (("rebound",) + ptrs,)),) for ptrs in addresses])
+        log.clear()
+        with set_forward_context(ForwardContext(object(), [], backend)):
+            program.run(pool)
+        assert [e[0] for e in log if isinstance(e, tuple)] == [kind, kind]
+
+
 def test_without_a_binding_every_layer_runs_its_kernel():
     """No plan yet for the step's host values (or a profiler's hooks): the op kernels run as
     recorded, each layer in its place; the next step with a binding launches through it."""
-    log = []
-    layers = _layers(3)
-    output = torch.randn(4, 16)
-    pool, tape = _record(log, layers, _op(log), output)
-    program = ReplayProgram.build(tape, output, torch.zeros(4), torch.zeros(4))
+    log, layers, output, pool, program = _program(3)
     backend = FakeBackend(log, bind=False)
     for bind, kind in [(False, "kernel"), (True, "launch")]:
         backend.bind = bind
@@ -144,7 +160,7 @@ def test_without_a_binding_every_layer_runs_its_kernel():
         assert log == expected + ["g3"]
 
 
-def test_no_launcher_for_mixed_shapes_or_other_ops():
+def test_no_binding_for_mixed_shapes_or_other_ops():
     log = []
     layers = _layers(2) + _layers(1, shape=(4, 2, 16))
     output = torch.randn(4, 16)

@@ -380,7 +380,19 @@ def test_plan_bound_to_layers_launches_what_each_layer_call_would(fake_attention
     key = bound.key
     again = plan.for_layers(layers, *metadata, bound)
     assert (again is bound) == (again.key == key) and (again is bound or splits > 1)
+    assert (again.part is not None) == (splits > 1)      # served or not, it holds this step's buffer
+    if splits > 1:
+        # A partial buffer at another address (the last one still held) is never served the old calls.
+        held = again.part
+        moved = plan.for_layers(layers, *metadata, again)
+        assert moved is not again and moved.key[4] == moved.part.data_ptr() != held.data_ptr()
+        assert all(args[9 + 6] == moved.part.data_ptr() for calls in moved.calls for _, args in calls[:1])
+        del held
     bound = again
+    for i in range(3):        # other metadata buffers: bound anew
+        changed = list(metadata)
+        changed[i] += 16
+        assert plan.for_layers(layers, *changed, bound) is not bound
     assert plan.for_layers(layers, *metadata) is not bound
     assert plan.for_layers(tuple(list(layers)), *metadata, bound) is not bound   # other layers: bound anew
     monkeypatch.setattr(fast_launch, "current_stream", lambda device=None: STREAM + 1)
@@ -397,10 +409,11 @@ def test_plan_bound_to_layers_launches_what_each_layer_call_would(fake_attention
     first = plan.for_layers(layers, *metadata)
     second = plan.for_layers(tuple(list(layers)), *metadata)
     assert second is not first and (first.part is not None) == (splits > 1)
-    # another plan (another split count) never serves this one's binding
-    attend(b, splits=splits + 1, tuning=tuning)
-    other = triton_attention.cached_plan(q, cache, out, qsl, lens, table, 3, 1, 0.125, splits + 1, tuning)
-    assert other is not plan
+    # Another plan never serves this one's binding, even where every address in the key is the
+    # same: two requests instead of three (another grid), same split count and buffers.
+    attend(b, R=2, splits=splits, tuning=tuning)
+    other = triton_attention.cached_plan(q, cache, out, qsl, lens, table, 2, 1, 0.125, splits, tuning)
+    assert other is not None and other is not plan
     bound = plan.for_layers(layers, *metadata)
     assert other.for_layers(layers, *metadata, bound).plan is other
 
