@@ -23,7 +23,7 @@ ENGINE_FLAGS = ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"
 
 
 def _add_generate(sub):
-    from pcg_engine.config import FLAG_HELP
+    from pcg_engine.config import FLAG_HELP, num_kv_blocks_help
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -68,7 +68,7 @@ def _add_generate(sub):
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once, 1..4096 (default 64; the "
                    "Python API's default is 256)")
     # Engine settings left unset keep EngineConfig's defaults (config.py); their ranges are its checks'.
-    p.add_argument("--num-kv-blocks", type=int, default=None, help=FLAG_HELP["num_kv_blocks"])
+    p.add_argument("--num-kv-blocks", type=int, default=None, help=num_kv_blocks_help())
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help=FLAG_HELP["max_num_batched_tokens"])
     p.add_argument("--block-size", type=int, default=None, help=FLAG_HELP["block_size"])
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help=FLAG_HELP["gpu_memory_utilization"])

@@ -313,10 +313,6 @@ class EngineConfig:
 # (the benchmarks' flags had none, so their --help did not say what an unset one does).
 FLAG_HELP = {
     "max_model_len": "default: the checkpoint's max_position_embeddings, at most 4096",
-    # (no fixed size: --block-size and --gpu-memory-utilization change it; the benchmarks, which have
-    # no --block-size, say the default's size instead)
-    "num_kv_blocks": "KV cache blocks of --block-size tokens (default: what --gpu-memory-utilization of the GPU's "
-                     f"memory leaves; {EngineConfig.cpu_kv_blocks} on the CPU)",
     "max_num_batched_tokens": f"tokens a step may hold, 1..{MAX_NUM_BATCHED_TOKENS} "
                               f"(default {EngineConfig.max_num_batched_tokens})",
     "block_size": f"tokens a KV block holds, a power of two from 1 to 128 (default {EngineConfig.block_size})",
@@ -326,6 +322,14 @@ FLAG_HELP = {
                               "--num-kv-blocks",
     "attention_backend": "auto, torch, triton (default auto: triton on CUDA, torch on the CPU)",
 }
+
+
+def num_kv_blocks_help(block_size: str = "--block-size") -> str:
+    """--num-kv-blocks' help. No fixed size in it: the block size and --gpu-memory-utilization set
+    it. `block_size`: how the command names the block's tokens (the benchmarks, which have no
+    --block-size flag, give the default's number)."""
+    return (f"KV cache blocks of {block_size} tokens (default: what --gpu-memory-utilization of the GPU's memory "
+            f"leaves; {EngineConfig.cpu_kv_blocks} on the CPU)")
 
 
 def check_kv_sizing_flags(device: str, num_kv_blocks, gpu_memory_utilization) -> None:
@@ -343,5 +347,5 @@ def check_kv_sizing_flags(device: str, num_kv_blocks, gpu_memory_utilization) ->
                                                     f"has --num-kv-blocks blocks (default {EngineConfig.cpu_kv_blocks})")
 
 
-__all__ = ["EngineConfig", "check_kv_sizing_flags", "FLAG_HELP", "MODES", "COMPILED_MODES", "BUCKET_MODES", "CAPTURING_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
+__all__ = ["EngineConfig", "check_kv_sizing_flags", "FLAG_HELP", "num_kv_blocks_help", "MODES", "COMPILED_MODES", "BUCKET_MODES", "CAPTURING_MODES", "MAX_NUM_BATCHED_TOKENS", "default_buckets", "sparse_buckets",
            "field"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pcg_engine.config import FLAG_HELP, MODES, EngineConfig, check_kv_sizing_flags
+from pcg_engine.config import FLAG_HELP, MODES, EngineConfig, check_kv_sizing_flags, num_kv_blocks_help
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,8 +102,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="requests run at once (default 256); overhead and profile set it from their own flag")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help=FLAG_HELP["max_num_batched_tokens"])
     g.add_argument("--max-model-len", type=int, default=None, help=FLAG_HELP["max_model_len"])
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help=FLAG_HELP["num_kv_blocks"].replace("--block-size", str(EngineConfig.block_size)))
+    g.add_argument("--num-kv-blocks", type=int, default=None, help=num_kv_blocks_help(str(EngineConfig.block_size)))
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help=FLAG_HELP["gpu_memory_utilization"])
     g.add_argument("--attention-backend", default=None, help=FLAG_HELP["attention_backend"])
     return p

@@ -33,8 +33,8 @@ import sys
 import tempfile
 import time
 
-from pcg_engine.bench.common import (HelpFormatter, directory_path, env_record, int_at_least, json_path, only_with, print_table,
-                                     resolve_model, write_json)
+from pcg_engine.bench.common import (HelpFormatter, directory_path, env_record, int_at_least, json_path, only_with,
+                                     print_table, resolve_model, write_json)
 from pcg_engine.config import MODES, EngineConfig
 
 _CHILD = """
