@@ -113,17 +113,17 @@ class AttentionPlan:
         for q_p, cache_p, out_p in layers:
             p_out, p_lse = (po, pl) if part is not None else (out_p, out_p)   # unused without a split
             ctr = out_p if self.counters is None else self.counters
-            main = ((self.main.run, self.main.args(stream, (q_p, cache_p, out_p, qsl_p, lens_p, table_p,
+            main = ((self.main.launch, self.main.args(stream, (q_p, cache_p, out_p, qsl_p, lens_p, table_p,
                                                               p_out, p_lse, ctr))),)
-            merge = (((self.merge.run, self.merge.args(stream, (po, pl, out_p))),) if self.merge is not None else ())
+            merge = (((self.merge.launch, self.merge.args(stream, (po, pl, out_p))),) if self.merge is not None else ())
             calls.append(main + merge)
         return LayerCalls(self, layers, key, calls, part)
 
 
 class LayerCalls:
     """An AttentionPlan's launches bound to a replay program's layers: `calls[i]` holds layer i's
-    (run, args) pairs (the main kernel, then the merge where the plan splits without a fused merge),
-    to call as run(*args), which is what the plan's __call__ does for that layer without working any
+    (launch, args) pairs (the main kernel, then the merge where the plan splits without a fused merge),
+    to call as launch(*args) (fast_launch.RecordedLaunch.launch), which is what the plan's __call__ does for that layer without working any
     argument out again. `part` holds this step's partial buffer (a split plan) until the caller lets it
     go after the step's launches. Owned by one caller (a replay program), never shared."""
 

@@ -39,6 +39,19 @@ dtype and 16-byte-alignment class (the JIT's whole specialisation of a pointer),
 attention/launch_plan.py's does. Not tracked: Triton knobs that change compiled code at run time
 (knobs.runtime.debug, instrumentation); the engine sets none of them.
 
+Below Triton's launcher object: `compiled.run` is a CudaLauncher, whose Python __call__ allocates
+the kernel's scratch buffers (none for this project's kernels) and calls the C function `launch`
+with the launcher's own compile options put in. In Triton 3.6 (the H200's) that is
+
+    run.launch(grid_0, grid_1, grid_2, stream, function, launch_cooperative_grid, launch_pdl,
+               None, None, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)
+
+for a kernel without scratch and without tensor descriptors (whose `launch` is then a Python
+wrapper). A record of such a kernel calls `launch` itself: ~1-2 µs less host time a launch, which
+in piecewise mode is paid once a layer (docs/PERF.md, session 33). Other versions order those
+arguments differently (3.9 passes the bound arguments as one tuple after two more), so they keep
+`compiled.run`; PCG_RAW_LAUNCH=0 (read at import) keeps it everywhere (A/B runs).
+
 The stream is read per call (a CUDA-graph capture runs on a side stream). Caches are bounded LRUs;
 entries hold ints and the CompiledKernel (kept alive, so its CUfunction stays loaded), never a tensor.
 """
@@ -46,6 +59,7 @@ entries hold ints and the CompiledKernel (kept alive, so its CUfunction stays lo
 from __future__ import annotations
 
 import os
+import types
 from collections import OrderedDict
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -89,6 +103,9 @@ def _hook_set(hook) -> bool:
     calls = getattr(hook, "calls", None)
     return calls is None or bool(calls)
 
+
+# Versions whose launcher object's call of its C function this module repeats (module docstring).
+RAW = os.environ.get("PCG_RAW_LAUNCH", "1") != "0" and _version(triton.__version__) == (3, 6)
 
 _CHAINS = ((_RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook) if _RUNTIME is not None else (None, None))
 
@@ -148,30 +165,44 @@ def current_stream(device: int | None = None) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
 
+def _entry(run, packed) -> tuple:
+    """(fn, mid): a launch is fn(grid_0, grid_1, grid_2, stream, function, *mid, *bound_args).
+    Triton 3.6's C launch function where the launcher object would only add its compile options
+    (no scratch buffer, no tensor-descriptor wrapper), else the launcher object."""
+    launch = getattr(run, "launch", None)
+    if (RAW and type(run).__name__ == "CudaLauncher" and callable(launch)
+            and not isinstance(launch, types.FunctionType)          # 3.6's tensor-descriptor wrapper is one
+            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        return launch, (run.launch_cooperative_grid, run.launch_pdl, None, None, packed, None, None, None)
+    return run, (packed, None, None, None)
+
+
 class RecordedLaunch:
     """One launch as the JIT made it; calling it re-issues it on `stream`, the first `slots`
     arguments (pointers, as ints) supplied per call."""
 
-    __slots__ = ("kernel", "compiled", "run", "function", "packed", "grid", "slots", "rest")
+    __slots__ = ("kernel", "compiled", "run", "launch", "mid", "function", "grid", "slots", "rest")
 
     def __init__(self, kernel, compiled, grid, slots: int, rest: tuple):
         self.kernel = kernel              # keys may name it by id(): it must outlive them
         self.compiled = compiled          # holds the module loaded while the record lives
         self.run = compiled.run           # the launcher object (a property: initialised by the JIT call)
+        # what a launch calls, and its arguments between the function and the kernel's (_entry)
+        self.launch, self.mid = _entry(self.run, compiled.packed_metadata)
         self.function = compiled.function
-        self.packed = compiled.packed_metadata
         self.grid = grid
         self.slots = slots
         self.rest = rest
 
     def __call__(self, stream: int, ptrs: tuple = ()) -> None:
         g0, g1, g2 = self.grid
-        self.run(g0, g1, g2, stream, self.function, self.packed, None, None, None, *ptrs, *self.rest)
+        self.launch(g0, g1, g2, stream, self.function, *self.mid, *ptrs, *self.rest)
 
     def args(self, stream: int, ptrs: tuple = ()) -> tuple:
-        """What __call__ passes to `self.run`: a caller that repeats a launch with the same stream and
-        pointers keeps the tuple and calls self.run(*args) itself (attention/launch_plan.py)."""
-        return (*self.grid, stream, self.function, self.packed, None, None, None, *ptrs, *self.rest)
+        """What __call__ passes to `self.launch`: a caller that repeats a launch with the same stream
+        and pointers keeps the tuple and calls self.launch(*args) itself (attention/launch_plan.py)."""
+        return (*self.grid, stream, self.function, *self.mid, *ptrs, *self.rest)
 
 
 def _as_arg(value):

@@ -165,6 +165,62 @@ def test_exact_key_hits_only_identical_calls(fake):
     assert call(x, y, 64, 0.5, BLOCK=32)  # the first: evicted
 
 
+class CudaLauncher:
+    """Triton 3.6's launcher object as its source has it (backends/nvidia/driver.py): __call__ puts
+    its scratch buffers (allocated where their size is not 0) and its compile options in and calls
+    the C function `launch`, here a logger."""
+
+    def __init__(self, launch, scratch: int = 0):
+        self.launch = launch
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        scratch = ("scratch", self.global_scratch_size) if self.global_scratch_size else None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    scratch, None, *args)
+
+
+class CLaunch:
+    """Stands in for the C function (not a Python function: 3.6's tensor-descriptor wrapper is one)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_record_calls_the_c_launch_as_the_launcher_would(fake, monkeypatch, raw):
+    """With RAW (Triton 3.6), a record of a launcher without scratch or tensor-descriptor wrapper
+    calls its C function with exactly what the launcher's __call__ would; otherwise the launcher."""
+    monkeypatch.setattr(fast_launch, "RAW", raw)
+    log = []
+    k = fake_kernel(_scale_add, log)
+    x, y = torch.zeros(64), torch.zeros(64)
+    fast_launch.launch(k, (4,), x, y, 64, 0.5, BLOCK=32)
+    jit = k.compiled.calls[-1]
+    c = CLaunch()
+    via_launcher = CudaLauncher(c)
+    via_launcher(*jit)
+    want = as_launched(c.calls[-1])
+    k.compiled.run = CudaLauncher(c)        # what the JIT's CompiledKernel holds on a 3.6 GPU
+    rec = fast_launch.record(k, k.compiled, (4,), (x, y, 64, 0.5), dict(BLOCK=32), slots=1)
+    assert rec is not None and (rec.launch is c) == raw and (rec.launch is rec.run) != raw
+    rec(STREAM, (x.data_ptr(),))
+    assert c.calls[-1] == want and len(c.calls) == 2
+    assert rec.launch(*rec.args(STREAM, (x.data_ptr(),))) is None and c.calls[-1] == want
+    # A launcher with scratch to allocate, or whose launch is a Python function, keeps its __call__.
+    for launcher in (CudaLauncher(c, scratch=64), CudaLauncher(lambda *a: c(*a))):
+        k.compiled.run = launcher
+        rec = fast_launch.record(k, k.compiled, (4,), (x, y, 64, 0.5), dict(BLOCK=32))
+        assert rec.launch is launcher
+        rec(STREAM)
+        assert c.calls[-1][:9] == want[:7] + (c.calls[-1][7], None) and c.calls[-1][9:] == want[9:]
+        assert (c.calls[-1][7] is None) == (launcher.global_scratch_size == 0)
+
+
 def test_not_recorded(fake, monkeypatch):
     log = []
     k = fake_kernel(_scale_add, log)
