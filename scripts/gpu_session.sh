@@ -11,7 +11,8 @@
 # with VAR=A, B, A, B on its caches), p5off (p5 with PCG_PRECOMPILE=0), precompile (its gpu tests and the warm-up's), load8b (weight load of 8B), p1_8b, p1_8b_graphs (8B's two graph modes; P1_8B_MODES), prof1_8b (8B batch-1 kernel table, PCG_PDL=PROF_PDL, default 0; PROF1_8B_CONFIGS, PROF1_8B_ARGS, PROF1_8B_LIM s), p2, p3, p3rates (P3 at higher rates),
 # probeproc (bench/cpu_probe.py in PROBE_PROCS fresh processes), coreprobe (scripts/core_probe.py: the probe on each core, three processes), corepin (P1 on coreprobe's fastest and slowest core), ttft (issue 5's 1/8/32 x 512), ttfttree (ttft at TTFT_N prompts, this tree against AB_TREE, alternated twice; TTFT_MODES), p1_noskinny (p1's graph modes with PCG_SKINNY_GEMM=0), p1_nopdl / p1_8b_nopdl (graph modes with PCG_PDL=0),
 # p1_nofast (piecewise modes with PCG_FAST_LAUNCH=0), fastlaunch (its gpu tests + scripts/bench_attention_launch.py),
-# rawab (bench_attention_launch.py --raw-ab: the launcher object against Triton 3.6's C launch, per call and bound; RAWAB_CONFIGS),
+# p1_moe (P1 every mode on Qwen3-30B-A3B's first MOE_LAYERS layers, default 8: make-model --num-layers; the whole
+# checkpoint, 61 GB, does not fit the machine's disk), rawab (bench_attention_launch.py --raw-ab: the launcher object against Triton 3.6's C launch, per call and bound; RAWAB_CONFIGS),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
 # prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
@@ -106,6 +107,11 @@ part() {
           timeout $(lim 120) python3 scripts/bench_attention_launch.py --json $OUT/attention_launch.json 2>&1 | tail -20 ;;
     rawab) timeout $(lim 150) python3 scripts/bench_attention_launch.py --raw-ab --paths kernel,bound \
           --configs ${RAWAB_CONFIGS:-decode_b1_ctx256,decode_b1_ctx2048} --json $OUT/attention_launch_rawab.json 2>&1 | tail -30 ;;
+    p1_moe) L=${MOE_LAYERS:-8}; d=$M/qwen3-30b-a3b-${L}l   # Qwen3-30B-A3B's first L layers at the published shapes
+          [ -f $d/config.json ] || python3 -m pcg_engine.cli make-model --preset qwen3-30b-a3b --num-layers $L --out $d \
+            --device cuda --overwrite >/dev/null
+          timeout $(lim 360) $B latency --model $d --modes ${P1_MODES:-eager,full_decode,piecewise,full_and_piecewise} \
+            --num-iters 2 --warmup-iters 1 --json $OUT/p1_moe${L}l.json 2>&1 | tail -12 ;;
     p1_8b_nopdl) PCG_PDL=0 timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise \
           --num-iters 2 --warmup-iters 1 --json $OUT/p1_q8b_nopdl.json 2>&1 | tail -7 ;;
     p2) timeout $(lim 150) $B throughput --model $(model qwen3-0.6b) --modes full_and_piecewise --json $OUT/p2_q06${P2_TAG:-}.json 2>&1 | tail -8 ;;

@@ -152,9 +152,12 @@ def plan_shards(specs: list, dtype: torch.dtype, max_bytes: int) -> list[list]:
 
 def make_checkpoint(preset: str, out_dir: str | os.PathLike, seed: int = 0,
                     max_shard_size: int | str = "2GB", dtype: str | None = None,
-                    device: str = "cpu") -> Path:
-    """Write a complete checkpoint for `preset` into `out_dir` and return its path."""
+                    device: str = "cpu", num_layers: int | None = None) -> Path:
+    """Write a complete checkpoint for `preset` into `out_dir` and return its path; `num_layers`:
+    only the preset's first layers (presets.preset_fields). A tensor's values depend on its name
+    only, so those layers are the whole preset's."""
     spec = presets.get_preset(preset)
+    fields = presets.preset_fields(preset, num_layers)
     dtype_name = presets.resolve_dtype(spec, dtype)
     torch_dtype = getattr(torch, dtype_name)
     max_bytes = parse_size(max_shard_size)
@@ -172,11 +175,11 @@ def make_checkpoint(preset: str, out_dir: str | os.PathLike, seed: int = 0,
     # old shards deleted and the new config beside half the new weights.
     staging = Path(tempfile.mkdtemp(prefix=".make-model-", dir=out))
     try:
-        config = presets.config_json(preset, dtype_name)
+        config = presets.config_json(preset, dtype_name, num_layers)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _write_generation_config(staging)
         tokenizer_maker.save_tokenizer(staging, spec.tokenizer_vocab, config["max_position_embeddings"])
-        _write_weights(staging, tensor_specs(spec.fields), spec.tiny, seed, torch_dtype, device, max_bytes)
+        _write_weights(staging, tensor_specs(fields), spec.tiny, seed, torch_dtype, device, max_bytes)
         _move_in(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -297,6 +300,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                         help="weight dtype (default: the preset's, bf16 for published shapes)")
     parser.add_argument("--device", default="cpu", help="where random values are drawn: cpu|cuda")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="only the preset's first N layers, each at its published shape: a per-layer "
+                             "benchmark of a model whose checkpoint does not fit the disk (default: all)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a directory that is not empty (its config, tokenizer and model*.safetensors "
                              "files are replaced or deleted)")
@@ -320,7 +326,7 @@ def run(args: argparse.Namespace) -> Path:
     fresh = not existed or not any(out.iterdir())     # nothing of anyone's in it yet
     try:
         path = make_checkpoint(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size,
-                               dtype=args.dtype, device=args.device)
+                               dtype=args.dtype, device=args.device, num_layers=getattr(args, "num_layers", None))
     except BaseException as e:
         # make_checkpoint removed what it had written aside; a directory it created for a new --out
         # goes too (a re-run must not be refused as "not empty"), an empty one is emptied again.

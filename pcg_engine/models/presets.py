@@ -121,12 +121,27 @@ def resolve_dtype(preset: Preset, dtype: str | None) -> str:
     return DTYPES[str(dtype).removeprefix("torch.")]
 
 
-def hf_config(name: str, dtype: str | None = None):
-    """The transformers config object (Qwen3Config / Qwen3MoeConfig) for a preset."""
+def preset_fields(name: str, num_layers: int | None = None) -> dict:
+    """The preset's config fields, with its first `num_layers` layers only where given: every
+    layer at the published shape, for timing a model per layer on a disk its whole checkpoint
+    does not fit (Qwen3-30B-A3B: 61 GB)."""
+    preset = get_preset(name)
+    fields = dict(preset.fields)
+    if num_layers is not None:
+        top = preset.fields["num_hidden_layers"]
+        if type(num_layers) is not int or not 1 <= num_layers <= top:
+            raise ConfigError("num_layers", f"must be an integer in [1, {top}] ({name} has {top} layers), "
+                                            f"got {num_layers!r}")
+        fields["num_hidden_layers"] = fields["max_window_layers"] = num_layers
+    return fields
+
+
+def hf_config(name: str, dtype: str | None = None, num_layers: int | None = None):
+    """The transformers config object (Qwen3Config / Qwen3MoeConfig) for a preset (preset_fields)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     preset = get_preset(name)
-    fields = dict(preset.fields, **special_token_ids_for_config())
+    fields = dict(preset_fields(name, num_layers), **special_token_ids_for_config())
     fields["torch_dtype"] = resolve_dtype(preset, dtype)
     cls = Qwen3MoeConfig if preset.is_moe else Qwen3Config
     return cls(**fields)
@@ -144,10 +159,10 @@ _GENERIC_KEYS = {
 }
 
 
-def config_json(name: str, dtype: str | None = None) -> dict:
+def config_json(name: str, dtype: str | None = None, num_layers: int | None = None) -> dict:
     """The dict written as config.json: transformers 5's serialisation plus the published aliases."""
     preset = get_preset(name)
-    config = hf_config(name, dtype)
+    config = hf_config(name, dtype, num_layers)
     data = {k: v for k, v in config.to_dict().items() if k not in _GENERIC_KEYS}
     data["architectures"] = list(preset.fields["architectures"])
     data["rope_theta"] = preset.fields["rope_theta"]

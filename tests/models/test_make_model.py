@@ -167,6 +167,26 @@ def test_large_presets_have_published_shapes(preset):
     assert hf == ours == params
 
 
+@pytest.mark.parametrize("preset", TINY)
+def test_first_layers_only_are_the_whole_presets_first_layers(tiny_dirs, tmp_path, preset):
+    """--num-layers N: a checkpoint of the preset's first N layers, each tensor what the whole
+    preset holds under its name, a config saying N layers, loadable by transformers."""
+    d = cm.make_checkpoint(preset, tmp_path, num_layers=2)
+    cfg = json.loads((d / "config.json").read_text())
+    whole_cfg = json.loads((tiny_dirs[preset] / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 < whole_cfg["num_hidden_layers"]
+    per_layer = ("num_hidden_layers", "max_window_layers", "layer_types")    # layer_types: transformers', one a layer
+    assert len(cfg.get("layer_types", [None] * 2)) == 2
+    assert {k: v for k, v in cfg.items() if k not in per_layer} == {k: v for k, v in whole_cfg.items() if k not in per_layer}
+    part, whole = read_tensors(d), read_tensors(tiny_dirs[preset])
+    assert part and set(part) < set(whole)
+    assert {k for k in whole if k.startswith("model.layers.")} - set(part) == \
+        {k for k in whole if k.startswith("model.layers.") and int(k.split(".")[2]) >= 2}
+    assert all(torch.equal(t, whole[k]) for k, t in part.items())
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"])
+
+
 def test_shards_plan_like_transformers():
     specs = [("a", (10,), "norm"), ("b", (30,), "norm"), ("c", (100,), "norm"), ("d", (5,), "norm")]
     plan = cm.plan_shards(specs, torch.float32, 160)
@@ -180,6 +200,9 @@ def test_shards_plan_like_transformers():
     ({"max_shard_size": "lots"}, "max_shard_size"),
     ({"seed": -1}, "seed"),
     ({"device": "tpu"}, "device"),
+    ({"num_layers": 0}, "num_layers"),
+    ({"num_layers": 5}, "num_layers"),
+    ({"num_layers": 2.0}, "num_layers"),
 ])
 def test_bad_arguments_name_the_field(tmp_path, kwargs, field):
     args = {"preset": "tiny-qwen3", "out_dir": tmp_path, **kwargs}
@@ -253,7 +276,8 @@ def test_cli_refuses_a_directory_with_files_unless_overwrite(tmp_path, monkeypat
 @pytest.mark.parametrize("over, named", [({"max_shard_size": "bogus"}, "--max-shard-size \\(max_shard_size\\)"),
                                          ({"max_shard_size": "0"}, "--max-shard-size \\(max_shard_size\\)"),
                                          ({"seed": -1}, "--seed \\(seed\\)"),
-                                         ({"device": "bogus"}, "--device \\(device\\)")])
+                                         ({"device": "bogus"}, "--device \\(device\\)"),
+                                         ({"num_layers": 9}, "--num-layers \\(num_layers\\)")])
 def test_cli_bad_setting_is_one_line_naming_it(tmp_path, over, named):
     """The flag the user typed, not only the setting's name (found by probing: "seed: must be ...")."""
     with pytest.raises(SystemExit, match=f"pcg make-model: {named}: "):
