@@ -123,9 +123,10 @@ class AttentionPlan:
 class LayerCalls:
     """An AttentionPlan's launches bound to a replay program's layers: `calls[i]` holds layer i's
     (launch, args) pairs (the main kernel, then the merge where the plan splits without a fused merge),
-    to call as launch(*args) (fast_launch.RecordedLaunch.launch), which is what the plan's __call__ does for that layer without working any
-    argument out again. `part` holds this step's partial buffer (a split plan) until the caller lets it
-    go after the step's launches. Owned by one caller (a replay program), never shared."""
+    to call as launch(*args) (fast_launch.RecordedLaunch.launch), which is what the plan's __call__
+    does for that layer without working any argument out again. `part` holds this step's partial
+    buffer (a split plan) until the caller lets it go after the step's launches. Owned by one caller
+    (a replay program), never shared."""
 
     __slots__ = ("plan", "layers", "key", "calls", "part")
 

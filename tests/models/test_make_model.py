@@ -175,9 +175,10 @@ def test_first_layers_only_are_the_whole_presets_first_layers(tiny_dirs, tmp_pat
     cfg = json.loads((d / "config.json").read_text())
     whole_cfg = json.loads((tiny_dirs[preset] / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 < whole_cfg["num_hidden_layers"]
-    per_layer = ("num_hidden_layers", "max_window_layers", "layer_types")    # layer_types: transformers', one a layer
+    per_layer = ("num_hidden_layers", "max_window_layers", "layer_types")    # layer_types: one a layer
     assert len(cfg.get("layer_types", [None] * 2)) == 2
-    assert {k: v for k, v in cfg.items() if k not in per_layer} == {k: v for k, v in whole_cfg.items() if k not in per_layer}
+    assert ({k: v for k, v in cfg.items() if k not in per_layer}
+            == {k: v for k, v in whole_cfg.items() if k not in per_layer})
     part, whole = read_tensors(d), read_tensors(tiny_dirs[preset])
     assert part and set(part) < set(whole)
     assert {k for k in whole if k.startswith("model.layers.")} - set(part) == \
