@@ -40,9 +40,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B="python3 -m pcg_engine.cli bench"
 T="python3 -m pytest -v -rfE -p no:cacheprovider --timeout 150 -m gpu"  # -v: a killed run still names what ran
 M=${M:-/tmp/models}; mkdir -p $M
-model() {  # build a preset once on the GPU (random weights at the published shapes)
-  [ -f $M/$1/config.json ] || python3 -m pcg_engine.cli make-model --preset $1 --out $M/$1 --device cuda --overwrite >/dev/null
-  echo $M/$1
+model() {  # build a preset once on the GPU (random weights at the published shapes); PRESET:N = its first N layers
+  local p=${1%%:*} n=; [ "$p" != "$1" ] && n=${1#*:}
+  local d=$M/$p${n:+-${n}l}
+  [ -f $d/config.json ] || python3 -m pcg_engine.cli make-model --preset $p ${n:+--num-layers $n} --out $d --device cuda \
+    --overwrite >/dev/null
+  echo $d
 }
 DEADLINE=${DEADLINE:-570}   # seconds: the device call's limit is 600
 lim() { local left=$((DEADLINE - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
@@ -107,9 +110,7 @@ part() {
           timeout $(lim 120) python3 scripts/bench_attention_launch.py --json $OUT/attention_launch.json 2>&1 | tail -20 ;;
     rawab) timeout $(lim 150) python3 scripts/bench_attention_launch.py --raw-ab --paths kernel,bound \
           --configs ${RAWAB_CONFIGS:-decode_b1_ctx256,decode_b1_ctx2048} --json $OUT/attention_launch_rawab.json 2>&1 | tail -30 ;;
-    p1_moe) L=${MOE_LAYERS:-8}; d=$M/qwen3-30b-a3b-${L}l   # Qwen3-30B-A3B's first L layers at the published shapes
-          [ -f $d/config.json ] || python3 -m pcg_engine.cli make-model --preset qwen3-30b-a3b --num-layers $L --out $d \
-            --device cuda --overwrite >/dev/null
+    p1_moe) L=${MOE_LAYERS:-8}; d=$(model qwen3-30b-a3b:$L)   # Qwen3-30B-A3B's first L layers at the published shapes
           timeout $(lim 360) $B latency --model $d --modes ${P1_MODES:-eager,full_decode,piecewise,full_and_piecewise} \
             --num-iters 2 --warmup-iters 1 --json $OUT/p1_moe${L}l.json 2>&1 | tail -12 ;;
     p1_8b_nopdl) PCG_PDL=0 timeout $(lim 180) $B latency --model $(model qwen3-8b) --modes full_decode,full_and_piecewise \

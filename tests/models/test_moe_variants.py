@@ -46,3 +46,31 @@ def test_moe_variant_matches_transformers(variant, tmp_path_factory):
     # expert paths (summation orders differ) stay within ~2e-4 of logits of std ~4.
     for a, b in zip(history[False], history[True]):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normed", [True, False])
+def test_route_is_transformers_softmax_top_k(dtype, normed):
+    """SparseMoE.route against transformers' routing written out (softmax over every expert in
+    fp32, top-k, the k weights divided by their sum where norm_topk_prob): the same experts, ties in
+    bf16 logits included, and weights equal up to fp32 rounding (norm_topk_prob takes the softmax
+    of the top-k logits instead)."""
+    from types import SimpleNamespace
+    torch.manual_seed(0)
+    config = SimpleNamespace(num_experts=128, hidden_size=64, moe_intermediate_size=16, num_experts_per_tok=8,
+                             norm_topk_prob=normed)
+    moe = SparseMoE(config).to(dtype)
+    h = torch.randn(64, 64, dtype=dtype)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.5)
+        for tie in (False, True):
+            if tie:     # exact ties: experts 64.. route like experts ..63
+                moe.gate.weight[64:] = moe.gate.weight[:64]
+            weights, ids = moe.route(h)
+            probs = torch.softmax(moe.gate(h), dim=-1, dtype=torch.float32)
+            want_w, want_ids = torch.topk(probs, 8, dim=-1)
+            if normed:
+                want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+            assert torch.equal(ids, want_ids) and weights.dtype == dtype
+            torch.testing.assert_close(weights.float(), want_w.to(dtype).float(), rtol=0,
+                                       atol=1e-6 if dtype == torch.float32 else 2 ** -8)
