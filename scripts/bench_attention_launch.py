@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # runs from a checkout
 
@@ -132,13 +133,18 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     rows = []
     if args.raw_ab:
-        if not available:
+        if not (available and fast_launch._RAW_LAYOUT):
+            print(f"--raw-ab needs fast launches on Triton 3.6 (here {triton.__version__}, fast launches "
+                  f"{'on' if available else 'off'}): no other Triton's C launch function is called directly",
+                  file=sys.stderr)
             return 2
-        runs = [(name, path, True, raw) for _ in range(args.rounds) for name in args.configs.split(",")
-                for path in args.paths.split(",") for raw in (False, True)]
+        # off / on, then on / off: neither side always runs first
+        runs = [(name, path, True, raw) for r in range(args.rounds) for name in args.configs.split(",")
+                for path in args.paths.split(",") for raw in ((False, True) if r % 2 == 0 else (True, False))]
     else:
+        # the bound path needs a recorded plan: fast launches only
         runs = [(name, path, fast, None) for name in args.configs.split(",") for path in args.paths.split(",")
-                for fast in ((False, True) if available else (False,))]
+                for fast in ((False, True) if available else (False,)) if fast or path != "bound"]
     for name, path, fast, raw in runs:
         row = run_config(name, path, fast, args.calls, device, raw)
         rows.append(row)

@@ -44,7 +44,7 @@ model() {  # build a preset once on the GPU (random weights at the published sha
   local p=${1%%:*} n=; [ "$p" != "$1" ] && n=${1#*:}
   local d=$M/$p${n:+-${n}l}
   [ -f $d/config.json ] || python3 -m pcg_engine.cli make-model --preset $p ${n:+--num-layers $n} --out $d --device cuda \
-    --overwrite >/dev/null
+    --overwrite >/dev/null || return 1
   echo $d
 }
 DEADLINE=${DEADLINE:-570}   # seconds: the device call's limit is 600

@@ -104,8 +104,10 @@ def _hook_set(hook) -> bool:
     return calls is None or bool(calls)
 
 
-# Versions whose launcher object's call of its C function this module repeats (module docstring).
-RAW = os.environ.get("PCG_RAW_LAUNCH", "1") != "0" and _version(triton.__version__) == (3, 6)
+# The Triton versions whose launcher object's call of its C function _entry repeats (module
+# docstring): 3.9's launcher passes the same attributes _entry checks but another argument order.
+_RAW_LAYOUT = _version(triton.__version__) == (3, 6)
+RAW = os.environ.get("PCG_RAW_LAUNCH", "1") != "0"    # the A/B switch; with _RAW_LAYOUT only
 
 _CHAINS = ((_RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook) if _RUNTIME is not None else (None, None))
 
@@ -170,7 +172,7 @@ def _entry(run, packed) -> tuple:
     Triton 3.6's C launch function where the launcher object would only add its compile options
     (no scratch buffer, no tensor-descriptor wrapper), else the launcher object."""
     launch = getattr(run, "launch", None)
-    if (RAW and type(run).__name__ == "CudaLauncher" and callable(launch)
+    if (RAW and _RAW_LAYOUT and type(run).__name__ == "CudaLauncher" and callable(launch)
             and not isinstance(launch, types.FunctionType)          # 3.6's tensor-descriptor wrapper is one
             and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
             and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):

@@ -41,7 +41,10 @@ class SparseMoE(nn.Module):
             # softmax is monotonic, so the top-k probabilities belong to the top-k logits, and those k
             # probabilities normalised, exp(l_i) / Z over the sum of exp(l_j) / Z, are the softmax of
             # the k logits (equal up to fp32 rounding). At batch 1 each kernel of a decode step costs
-            # ~1-2 us, paid in every MoE layer (48 in Qwen3-30B-A3B).
+            # ~1-2 us, paid in every MoE layer (48 in Qwen3-30B-A3B). One difference: two different
+            # logits whose fp32 probabilities round to the same value (far below the largest logit,
+            # differing in their last bits) tie in transformers' top-k, which may then take either
+            # expert, where this takes the larger logit; the weights are the same either way.
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=torch.float32).to(h.dtype), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -132,7 +132,8 @@ def preset_fields(name: str, num_layers: int | None = None) -> dict:
         if type(num_layers) is not int or not 1 <= num_layers <= top:
             raise ConfigError("num_layers", f"must be an integer in [1, {top}] ({name} has {top} layers), "
                                             f"got {num_layers!r}")
-        fields["num_hidden_layers"] = fields["max_window_layers"] = num_layers
+        fields["num_hidden_layers"] = num_layers
+        fields["max_window_layers"] = min(fields["max_window_layers"], num_layers)
     return fields
 
 

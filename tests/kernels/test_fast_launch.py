@@ -194,8 +194,10 @@ class CLaunch:
 @pytest.mark.parametrize("raw", [True, False])
 def test_record_calls_the_c_launch_as_the_launcher_would(fake, monkeypatch, raw):
     """With RAW (Triton 3.6), a record of a launcher without scratch or tensor-descriptor wrapper
-    calls its C function with exactly what the launcher's __call__ would; otherwise the launcher."""
+    calls its C function with exactly what the launcher's __call__ would; otherwise the launcher.
+    (On a Triton other than 3.6 the C function takes another layout: RAW alone changes nothing.)"""
     monkeypatch.setattr(fast_launch, "RAW", raw)
+    monkeypatch.setattr(fast_launch, "_RAW_LAYOUT", True)
     log = []
     k = fake_kernel(_scale_add, log)
     x, y = torch.zeros(64), torch.zeros(64)
@@ -211,14 +213,19 @@ def test_record_calls_the_c_launch_as_the_launcher_would(fake, monkeypatch, raw)
     rec(STREAM, (x.data_ptr(),))
     assert c.calls[-1] == want and len(c.calls) == 2
     assert rec.launch(*rec.args(STREAM, (x.data_ptr(),))) is None and c.calls[-1] == want
-    # A launcher with scratch to allocate, or whose launch is a Python function, keeps its __call__.
-    for launcher in (CudaLauncher(c, scratch=64), CudaLauncher(lambda *a: c(*a))):
+    # A launcher with scratch to allocate, or whose launch is a Python function, keeps its __call__
+    # (which hands the C function its scratch buffer); so does any launcher on another Triton.
+    profiling = CudaLauncher(c)
+    profiling.profile_scratch_size = 64
+    for launcher, layout in ((CudaLauncher(c, scratch=64), True), (CudaLauncher(lambda *a: c(*a)), True),
+                             (profiling, True), (CudaLauncher(c), False)):
+        monkeypatch.setattr(fast_launch, "_RAW_LAYOUT", layout)
         k.compiled.run = launcher
         rec = fast_launch.record(k, k.compiled, (4,), (x, y, 64, 0.5), dict(BLOCK=32))
         assert rec.launch is launcher
         rec(STREAM)
-        assert c.calls[-1][:9] == want[:7] + (c.calls[-1][7], None) and c.calls[-1][9:] == want[9:]
-        assert (c.calls[-1][7] is None) == (launcher.global_scratch_size == 0)
+        scratch = ("scratch", 64) if launcher.global_scratch_size else None
+        assert c.calls[-1] == want[:7] + (scratch,) + want[8:]
 
 
 def test_not_recorded(fake, monkeypatch):

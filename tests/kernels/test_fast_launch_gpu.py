@@ -138,10 +138,10 @@ def test_gpu_exact_launch(fresh):
         fast_launch.launch(_axpy_kernel, (triton.cdiv(1000, 256),), x, y, out, 1000, 0.5, BLOCK=256)
         torch.testing.assert_close(out, 0.5 * x + y, rtol=0, atol=1e-6)
     assert fast_launch._EXACT.misses == 1
-    # On Triton 3.6 (fast_launch.RAW) the record calls the launcher's C function itself, so the
-    # launches above and the plans of the other tests here went that way.
+    # On Triton 3.6 (fast_launch._RAW_LAYOUT) the record calls the launcher's C function itself, so
+    # the launches above and the plans of the other tests here went that way.
     (rec,) = fast_launch._EXACT._entries.values()
-    assert (rec.launch is not rec.run) == fast_launch.RAW
+    assert (rec.launch is not rec.run) == (fast_launch.RAW and fast_launch._RAW_LAYOUT)
     fast_launch.launch(_axpy_kernel, (triton.cdiv(1000, 256),), x, y, out, 1000, 2.0, BLOCK=256)
     torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=1e-6)
     assert fast_launch._EXACT.misses == 2

@@ -186,6 +186,8 @@ def test_first_layers_only_are_the_whole_presets_first_layers(tiny_dirs, tmp_pat
     assert all(torch.equal(t, whole[k]) for k, t in part.items())
     _, info = transformers.AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
     assert not (info["missing_keys"] or info["unexpected_keys"])
+    top = whole_cfg["num_hidden_layers"]       # all of them: the whole preset
+    assert presets.preset_fields(preset, top) == presets.get_preset(preset).fields
 
 
 def test_shards_plan_like_transformers():

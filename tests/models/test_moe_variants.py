@@ -52,9 +52,10 @@ def test_moe_variant_matches_transformers(variant, tmp_path_factory):
 @pytest.mark.parametrize("normed", [True, False])
 def test_route_is_transformers_softmax_top_k(dtype, normed):
     """SparseMoE.route against transformers' routing written out (softmax over every expert in
-    fp32, top-k, the k weights divided by their sum where norm_topk_prob): the same experts, ties in
-    bf16 logits included, and weights equal up to fp32 rounding (norm_topk_prob takes the softmax
-    of the top-k logits instead)."""
+    fp32, top-k, the k weights divided by their sum where norm_topk_prob): the same experts, exact
+    ties in the logits included (one split at the k-th place), and weights equal up to fp32
+    rounding (norm_topk_prob takes the softmax of the top-k logits instead). Not covered: different
+    logits whose probabilities round to one value (route's comment)."""
     from types import SimpleNamespace
     torch.manual_seed(0)
     config = SimpleNamespace(num_experts=128, hidden_size=64, moe_intermediate_size=16, num_experts_per_tok=8,
@@ -64,8 +65,9 @@ def test_route_is_transformers_softmax_top_k(dtype, normed):
     with torch.no_grad():
         moe.gate.weight.normal_(0, 0.5)
         for tie in (False, True):
-            if tie:     # exact ties: experts 64.. route like experts ..63
-                moe.gate.weight[64:] = moe.gate.weight[:64]
+            if tie:     # exact ties in threes: experts 42.. and 84.. route like ..42, so a top 8 ends in a split tie
+                moe.gate.weight[42:84] = moe.gate.weight[:42]
+                moe.gate.weight[84:126] = moe.gate.weight[:42]
             weights, ids = moe.route(h)
             probs = torch.softmax(moe.gate(h), dim=-1, dtype=torch.float32)
             want_w, want_ids = torch.topk(probs, 8, dim=-1)
