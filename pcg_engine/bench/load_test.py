@@ -195,7 +195,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="requests to send (default: every line of --dataset, else 500)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=common.int_at_least(1), default=None, help="most requests in flight at once (default: no limit)")
+    p.add_argument("--max-concurrency", type=common.int_at_least(1), default=None,
+                   help="most requests in flight at once (default: no limit)")
     p.add_argument("--input-len", type=common.int_at_least(1), default=None,
                    help=f"prompt tokens of the random prompts (default {DEFAULT_INPUT_LEN}; not with --dataset)")
     p.add_argument("--output-len", type=common.int_at_least(1), default=128)
@@ -215,7 +216,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="fraction of requests that must meet the SLOs (default 0.9)")
     p.add_argument("--sweep-bisect", type=common.int_at_least(0), default=None,
                    help="bisection steps after bracketing (default 3)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per run before the rest are aborted (default: no limit)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per run before the rest are aborted (default: no limit)")
     p.add_argument("--no-progress", action="store_true")
     return p
 

@@ -150,7 +150,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=common.int_at_least(1), default=16, help="max_num_seqs")
     p.add_argument("--new-tokens", type=common.int_at_least(1), default=64)
     p.add_argument("--prompt-len", type=common.int_at_least(1), default=16)
-    p.add_argument("--configs", default=None, help="comma-separated subset of the configs (eager always runs; default: every one this device runs)")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated subset of the configs (eager always runs; default: every one this device runs)")
     p.add_argument("--cpu-compile", action="store_true", help="on CPU, also run the piecewise configs ungraphed")
     # The host-only group's defaults are None here and filled in by main() (common.only_with).
     h = p.add_argument_group("host only (P4)")
