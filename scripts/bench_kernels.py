@@ -141,30 +141,61 @@ def moe_rows():
         floor = weight_bytes / COPY_GBPS / 1e3
         rows.append(row("fused_moe", f"{tokens} tok, E128 k8 2048/768 ({active} active)", us, weight_bytes,
                         "GB/s", f"{loop / us:.1f}x vs eager loop ({loop:.0f} us); {us / floor:.2f}x floor ({floor:.1f} us)"))
-        if tokens == 1:   # 2.07x the floor against a <= 2x target: sweep the 1-token tiles
-            rows += moe_tile_sweep(x, w13, w2, topk_weights, topk_ids, floor, us)
         block_m = moe_config(tokens, top_k, experts, inter, hidden, gated=True).block_m
         kernel_us = time_us(lambda: moe_align(topk_ids, experts, block_m))
         torch_us = time_us(lambda: moe_align_torch(topk_ids, experts, block_m))
         rows.append(row("moe_align", f"{tokens} tok x k8, E128, block_m {block_m}", kernel_us, None, "",
                         f"torch-ops version {torch_us:.1f} us"))
+    rows += moe_paths(w13, w2, experts, hidden, top_k)
     return rows
 
 
-def moe_tile_sweep(x, w13, w2, topk_weights, topk_ids, floor, table_us):
-    """The 1-token MoE with other tiles for both GEMMs (block_m stays 16: one alignment)."""
-    from pcg_engine.kernels.fused_moe import MoEConfig, fused_moe
+def moe_inputs(tokens, experts, hidden, top_k):
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
+    topk_weights, topk_ids = torch.topk(torch.randn(tokens, experts, device="cuda").softmax(-1), top_k)
+    return x, topk_weights, topk_ids
+
+
+def moe_paths(w13, w2, experts, hidden, top_k):
+    """The few-token GEMV path (kernels/moe_gemv.py) against the grouped GEMM at 1-16 tokens (where
+    fused_moe switches: GEMV_MAX_ASSIGNMENTS), each checked against the loop; then its tile sweeps at
+    1 and 4 tokens, the up launch's tiles with the table's down tiles and the other way round."""
+    from pcg_engine.kernels.fused_moe import fused_moe, fused_moe_ref
+    from pcg_engine.kernels.moe_gemv import DOWN, UP, GemvConfig, gemv_configs
+    inter = w2.shape[2]
     rows = []
-    for bn_up, bn_down, bk, stages in ((16, 32, 128, 4), (16, 64, 256, 3), (32, 32, 128, 4), (32, 64, 256, 3),
-                                       (64, 128, 128, 3), (16, 16, 128, 4)):
-        configs = (MoEConfig(16, bn_up, bk, 4, stages), MoEConfig(16, bn_down, bk, 4, stages))
-        try:
-            us = time_us(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids, configs=configs))
-        except Exception as e:   # a tile that does not fit (shared memory) is a finding, not a crash
-            print(f"moe tiles {configs}: {e!r}")
-            continue
-        rows.append(row("fused_moe tiles", f"1 tok, up bn{bn_up} down bn{bn_down} bk{bk} st{stages}", us, None, "",
-                        f"{us / floor:.2f}x floor; table's tiles {table_us:.1f} us"))
+    for tokens in (1, 2, 3, 4, 6, 8, 16):
+        x, topk_weights, topk_ids = moe_inputs(tokens, experts, hidden, top_k)
+        ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
+        floor = topk_ids.unique().numel() * 3 * inter * hidden * 2 / COPY_GBPS / 1e3
+        times = {}
+        for path in ("grouped", "gemv"):
+            out = fused_moe(x, w13, w2, topk_weights, topk_ids, path=path)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            times[path] = time_us(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids, path=path))
+            rows.append(row(f"fused_moe {path}", f"{tokens} tok, E128 k8", times[path], None, "",
+                            f"{times[path] / floor:.2f}x floor ({floor:.1f} us); rel err {err:.1e}"))
+        rows[-1]["note"] += f"; grouped / gemv {times['grouped'] / times['gemv']:.2f}x"
+    up_tiles = [UP, GemvConfig(2, 1024, 4, 3), GemvConfig(8, 1024, 4, 3), GemvConfig(8, 512, 4, 3),
+                GemvConfig(4, 512, 4, 4), GemvConfig(8, 1024, 8, 3), GemvConfig(16, 256, 4, 4), GemvConfig(2, 2048, 4, 2)]
+    down_tiles = [DOWN, GemvConfig(2, 256, 4, 3), GemvConfig(8, 256, 4, 3), GemvConfig(4, 128, 4, 4),
+                  GemvConfig(16, 256, 8, 3), GemvConfig(2, 512, 4, 3), GemvConfig(8, 128, 2, 4), GemvConfig(4, 256, 2, 4)]
+    for tokens in (1, 4):
+        x, topk_weights, topk_ids = moe_inputs(tokens, experts, hidden, top_k)
+        base_up, base_down = gemv_configs(tokens, top_k, inter, hidden)
+        ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
+        for which, tiles in (("up", up_tiles), ("down", down_tiles)):
+            for tile in tiles:
+                configs = (tile, base_down) if which == "up" else (base_up, tile)
+                try:
+                    out = fused_moe(x, w13, w2, topk_weights, topk_ids, configs=configs, path="gemv")
+                    us = time_us(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids, configs=configs, path="gemv"))
+                except Exception as e:   # a tile that does not compile is a finding, not a crash
+                    print(f"gemv tiles {configs}: {e!r}")
+                    continue
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                rows.append(row("moe gemv tiles", f"{tokens} tok, {which} bn{tile.block_n} bk{tile.block_k} "
+                                f"w{tile.num_warps} st{tile.num_stages}", us, None, "", f"rel err {err:.1e}"))
     return rows
 
 

@@ -39,7 +39,7 @@ import torch
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.launch_config import host_cdiv
 from pcg_engine.attention.metadata import AttentionMetadata
-from pcg_engine.kernels import activation, argmax, fused_moe, norm, scatter
+from pcg_engine.kernels import activation, argmax, fused_moe, moe_gemv, norm, scatter
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,11 @@ def kernel_sites(model) -> tuple:
 
 
 def _moe_variant(T: int, top_k: int, experts: int, inter: int, hidden: int) -> tuple:
-    # Mirrors fused_moe.fused_moe / moe_align: block configs from the token count, the alignment's
+    # Mirrors fused_moe.fused_moe / moe_align: the few-token GEMV path (its tiles come from the
+    # shapes; T sets only its grids), else block configs from the token count, the alignment's
     # tiling (or its torch fallback) and the sizes passed to the kernels.
+    if moe_gemv.takes_gemv(T, top_k):
+        return ("gemv", *moe_gemv.gemv_configs(T, top_k, inter, hidden))
     up = fused_moe.moe_config(T, top_k, experts, inter, hidden, gated=True)
     down = fused_moe.moe_config(T, top_k, experts, hidden, inter, gated=False)
     total = T * top_k

@@ -5,7 +5,8 @@ count on the host (a sync a CUDA graph cannot contain). Here `moe_align` groups 
 (token, slot) assignments by expert with device ops only, padding each expert's group to a
 multiple of BLOCK_M, and every program of the grouped GEMM multiplies one BLOCK_M block of rows
 by its expert's weight tiles. All shapes and grids depend on (N, k, E, BLOCK_M), never on the
-routing, so a graph captured for a bucket replays correctly for any routing.
+routing, so a graph captured for a bucket replays correctly for any routing. A few tokens take
+kernels/moe_gemv.py instead: two GEMV launches, no alignment (fused_moe's `path`).
 
   gate_up launch: act[a] = silu(x[a // k] @ Wg[e].T) * (x[a // k] @ Wu[e].T)   (SiLU fused in)
   down launch:    y[a]   = topk_weight[a] * (act[a] @ W2[e].T)
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pcg_engine.kernels import pdl
+from pcg_engine.kernels import moe_gemv, pdl
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -318,17 +319,25 @@ def _unit_stride_inner(t: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, configs: tuple[MoEConfig, MoEConfig] | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, configs: tuple[MoEConfig, MoEConfig] | None = None,
+              path: str = "auto") -> torch.Tensor:
     """x [N, D]; w13 [E, 2I, D] (rows :I gate, I: up); w2 [E, D, I]; topk_* [N, k] -> [N, D] in x.dtype.
 
-    configs: (up, down) block sizes instead of the tuning table's (the kernel benchmark's sweep);
-    both must have the same block_m, since the two GEMMs share one alignment."""
+    path: "auto" takes kernels/moe_gemv.py's two GEMV launches for a few tokens (moe_gemv.takes_gemv)
+    and the grouped GEMM otherwise; "grouped" or "gemv" force one (tests, benchmarks).
+    configs: (up, down) block sizes instead of the tables' (the kernel benchmark's sweeps): MoEConfig
+    for the grouped GEMM, where both must have the same block_m, since the two GEMMs share one
+    alignment; moe_gemv.GemvConfig for the GEMV path."""
     _check(x, w13, w2, topk_weights, topk_ids)
     n, top_k = topk_ids.shape
     e, two_i, d = w13.shape
+    if path not in ("auto", "grouped", "gemv"):
+        raise ValueError(f"path: expected 'auto', 'grouped' or 'gemv', got {path!r}")
     if n == 0:
         return x.new_empty((0, d))
     x, w13, w2 = _unit_stride_inner(x), _unit_stride_inner(w13), _unit_stride_inner(w2)
+    if path == "gemv" or (path == "auto" and configs is None and moe_gemv.takes_gemv(n, top_k)):
+        return moe_gemv.fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, configs)
     if configs is None:
         cfg_up = moe_config(n, top_k, e, two_i // 2, d, gated=True)
         cfg_down = moe_config(n, top_k, e, d, two_i // 2, gated=False)  # same block_m: one alignment

@@ -128,9 +128,11 @@ def skinny_cases(add):
 
 def moe_cases(add):
     """fused_moe at token counts that reach each row of its tuning table, with the alignment's
-    one-chunk, histogram and torch-fallback paths, bf16 (30B-A3B) and fp32 (the tiny MoE)."""
+    one-chunk, histogram and torch-fallback paths, and the few-token GEMV path (1 and 4 tokens of
+    30B-A3B, 3 of the tiny MoE), bf16 (30B-A3B) and fp32 (the tiny MoE)."""
     from pcg_engine.kernels.fused_moe import fused_moe
-    for m, tokens, pdl_on in ((preset("qwen3-30b-a3b"), 1, True), (preset("qwen3-30b-a3b"), 1024, True),
+    for m, tokens, pdl_on in ((preset("qwen3-30b-a3b"), 1, True), (preset("qwen3-30b-a3b"), 4, False),
+                              (preset("qwen3-30b-a3b"), 64, True), (preset("qwen3-30b-a3b"), 1024, True),
                               (preset("qwen3-30b-a3b"), 4096, False), (preset("tiny-qwen3-moe"), 3, False),
                               (preset("tiny-qwen3-moe"), 2048, True)):
         w13 = empty(m.experts, 2 * m.moe_inter, m.hidden, dtype=m.dtype)   # never touched: lazy pages

@@ -74,12 +74,13 @@ def test_large_batches_take_the_torch_path(device, monkeypatch):
 CASES = [(1, 8, 2, 32, 16), (13, 8, 3, 40, 24), (2, 16, 2, 32, 32), (40, 4, 2, 32, 16), (140, 4, 2, 16, 16)]
 
 
+@pytest.mark.parametrize("path", ["grouped", "gemv"])
 @pytest.mark.parametrize("n,num_experts,top_k,d,inter", CASES)
-def test_fused_moe_matches_per_expert_loop(n, num_experts, top_k, d, inter, device, poison_empty):
+def test_fused_moe_matches_per_expert_loop(n, num_experts, top_k, d, inter, path, device, poison_empty):
     x = torch.randn(n, d, device=device)
     w13, w2 = weights(num_experts, d, inter, device)
     topk_weights, topk_ids = routing(n, num_experts, top_k, device)
-    out = fused_moe(x, w13, w2, topk_weights, topk_ids)
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, path=path)
     assert out.shape == (n, d) and out.dtype == x.dtype
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, topk_weights, topk_ids), **FP32)
 

@@ -1,0 +1,176 @@
+"""Fused MoE for a few tokens: each routed (token, expert) pair is a GEMV, with no alignment.
+
+At decode batch sizes most experts get no token and the chosen ones one each, so the MoE layer is
+a weight-streaming problem. The grouped GEMM (kernels/fused_moe.py) pays for its generality there:
+two alignment kernels, a 16-row block for each single real row, programs for the empty blocks that
+only exit, and a third kernel that sums the top-k outputs. At Qwen3-30B-A3B's shapes and one token
+it took 35.6 µs against the 17.8 µs that reading the 8 experts' weights once takes (docs/PERF.md,
+session 4), and no tile choice moved it (session 3's sweep). Here, two launches:
+
+  up   grid (N*k, cdiv(I, BLOCK_N)): program (a, j) reads expert ids[a]'s gate and up rows of
+       block j and writes act[a] = silu(x[a // k] @ Wg.T) * (x[a // k] @ Wu.T)  (rounded once)
+  down grid (N, cdiv(D, BLOCK_N)): program (t, j) sums weight[t, s] * (act[t*k + s] @ W2[e].T)
+       over the token's k slots in fp32 and rounds once: the top-k sum needs no kernel of its own
+
+Both grids depend on (N, k, I, D) only, never on the routing, so a captured graph replays for any
+routing. The products run on the CUDA cores (a broadcast multiply and a sum over K, as the skinny
+GEMM's one-row configs do): with one row a tensor-core tile would be 15/16 padding.
+
+What it gives up: an expert chosen by several tokens has its weights read once per token (from
+L2 when their programs run together), so it pays only while N*k is small against the number of
+experts; `fused_moe` takes this path up to GEMV_MAX_ASSIGNMENTS routed pairs. Compared with the
+grouped GEMM, the down projection's output is rounded once after the top-k sum instead of once
+per slot and again after the sum: closer to the fp32 reference, not bit-equal to the other path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pcg_engine.kernels import pdl
+from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+
+# Routed pairs (tokens x top_k) up to which fused_moe takes this path. Measured on the H200 at
+# Qwen3-30B-A3B's shapes (128 experts, top-8; docs/PERF.md, session 34).
+GEMV_MAX_ASSIGNMENTS = 32
+# PCG_MOE_GEMV=0: the grouped GEMM at every size (an A/B switch for benchmarks, read at import; the
+# compile cache's key covers PCG_* switches).
+ENABLED = os.environ.get("PCG_MOE_GEMV", "1") != "0"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (up, down) for bf16 on the H200, from scripts/bench_kernels.py's gemv sweep (session 34).
+UP = GemvConfig(4, 1024, 4, 3)
+DOWN = GemvConfig(4, 256, 4, 3)
+
+
+def gemv_configs(n: int, k: int, inter: int, hidden: int) -> tuple[GemvConfig, GemvConfig]:
+    """Tiles for the up and down launches: the table's, shrunk to the (power-of-two-rounded)
+    matrices. Depends on shapes only."""
+    up = GemvConfig(UP.block_n, min(UP.block_k, triton.next_power_of_2(hidden)), UP.num_warps, UP.num_stages)
+    down = GemvConfig(DOWN.block_n, min(DOWN.block_k, triton.next_power_of_2(inter)), DOWN.num_warps,
+                      DOWN.num_stages)
+    return up, down
+
+
+def takes_gemv(num_tokens: int, top_k: int) -> bool:
+    return ENABLED and 0 < num_tokens * top_k <= GEMV_MAX_ASSIGNMENTS
+
+
+@triton.jit
+def _moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, top_k, stride_xm, stride_we, stride_wn, stride_am,
+                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """act[a, cols] = silu(x[t] @ W[e, cols].T) * (x[t] @ W[e, N + cols].T), t = a // top_k, e = ids[a]."""
+    if PDL:  # kernels/pdl.py: the expert comes from the router, x from the norm: nothing before the wait
+        gdc_wait()
+        gdc_launch_dependents()
+    a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + a).to(tl.int64)
+    token = a // top_k
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Wrapping the weight rows keeps every weight load in bounds without a row mask; the store masks.
+    wn = (cols % N).to(tl.int64)
+    w_ptrs = w_ptr + expert * stride_we + wn[:, None] * stride_wn + rk[None, :]
+    up_offset = N.to(tl.int64) * stride_wn
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + rk
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            wg = tl.load(w_ptrs)
+            wu = tl.load(w_ptrs + up_offset)
+        else:
+            k_ok = rk < K - k0 * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            wg = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            wu = tl.load(w_ptrs + up_offset, mask=k_ok[None, :], other=0.0)
+        gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+        up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + a.to(tl.int64) * stride_am + cols, act.to(act_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, scale_ptr, y_ptr, N, K, top_k, stride_am, stride_we, stride_wn,
+                          stride_ym, EVEN_K: tl.constexpr, K_TILES: tl.constexpr, TOP_K_PAD: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """y[t, cols] = sum over slots s of scale[t*k + s] * (act[t*k + s] @ W[ids[t*k + s], cols].T)."""
+    if PDL:  # the act rows come from the up launch, the ids and weights from the router
+        gdc_wait()
+        gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    wn = (cols % N).to(tl.int64)
+    # The token's experts and router weights up front, so that the loop's loads depend on no load
+    # made inside it (the pipeliner can then run them ahead).
+    slots = tl.arange(0, TOP_K_PAD)
+    slot_ok = slots < top_k
+    experts = tl.load(ids_ptr + t * top_k + slots, mask=slot_ok, other=0).to(tl.int64)
+    scales = tl.load(scale_ptr + t * top_k + slots, mask=slot_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # One flat loop over (slot, k tile): a nested loop would pipeline only its few k tiles.
+    for i in range(0, top_k * K_TILES):
+        s = i // K_TILES
+        k0 = i % K_TILES
+        expert = tl.sum(tl.where(slots == s, experts, 0))
+        scale = tl.sum(tl.where(slots == s, scales, 0.0))
+        kk = k0 * BLOCK_K + rk
+        a_ptrs = act_ptr + (t * top_k + s) * stride_am + kk
+        w_ptrs = w_ptr + expert * stride_we + wn[:, None] * stride_wn + kk[None, :]
+        if EVEN_K:
+            x = tl.load(a_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = kk < K
+            x = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1) * scale
+    tl.store(y_ptr + t * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
+    """fused_moe's contract (x [N, D], w13 [E, 2I, D], w2 [E, D, I], topk_* [N, k]; inputs checked
+    and made unit-stride there) through the two GEMV launches."""
+    n, top_k = topk_ids.shape
+    _, two_i, d = w13.shape
+    inter = two_i // 2
+    up, down = configs or gemv_configs(n, top_k, inter, d)
+    act = torch.empty((n * top_k, inter), dtype=x.dtype, device=x.device)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    launch = pdl.launch_kwargs(x.device)
+    _moe_gemv_up_kernel[(n * top_k, triton.cdiv(inter, up.block_n))](
+        x, w13, ids, act, inter, d, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        EVEN_K=d % up.block_k == 0, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
+        num_warps=up.num_warps, num_stages=up.num_stages, **launch)
+    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    scales = topk_weights.reshape(-1)
+    if not scales.is_contiguous():
+        scales = scales.contiguous()
+    _moe_gemv_down_kernel[(n, triton.cdiv(d, down.block_n))](
+        act, w2, ids, scales, y, d, inter, top_k, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        EVEN_K=inter % down.block_k == 0, K_TILES=triton.cdiv(inter, down.block_k),
+        TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        num_warps=down.num_warps, num_stages=down.num_stages, **launch)
+    return y

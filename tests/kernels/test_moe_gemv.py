@@ -1,0 +1,125 @@
+"""The few-token fused MoE (kernels/moe_gemv.py) against the per-expert loop, and fused_moe's choice of it."""
+
+import pytest
+import torch
+
+from pcg_engine.kernels import fused_moe as moe, moe_gemv
+from pcg_engine.kernels.fused_moe import fused_moe, fused_moe_ref
+from pcg_engine.kernels.moe_gemv import GemvConfig, fused_moe_gemv
+
+from test_fused_moe import A3B, FP32, routing, weights
+
+
+def gemv(x, w13, w2, topk_weights, topk_ids, configs=None):
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, configs=configs, path="gemv")
+
+
+# (N, E, k, D, I): top-k not a power of two (3: the slot vector is padded); D and I off the tiles
+# (D = 30: the down launch's last column block wraps; I = 18: the up launch's does, and K = 18 is
+# not a multiple of the down tile); one expert, top-1; more tokens than experts.
+@pytest.mark.parametrize("n,num_experts,top_k,d,inter", [(1, 8, 3, 30, 18), (4, 16, 8, 64, 48), (2, 1, 1, 32, 16),
+                                                         (9, 4, 2, 40, 24)])
+def test_gemv_matches_the_loop(n, num_experts, top_k, d, inter, device, poison_empty):
+    x = torch.randn(n, d, device=device)
+    w13, w2 = weights(num_experts, d, inter, device)
+    topk_weights, topk_ids = routing(n, num_experts, top_k, device)
+    out = gemv(x, w13, w2, topk_weights, topk_ids)
+    assert out.shape == (n, d) and out.dtype == x.dtype
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, topk_weights, topk_ids), **FP32)
+
+
+def test_gemv_shared_experts_int32_ids_and_strided_x(device, poison_empty):
+    """Every token on the same two experts (their weights read once per token), int32 ids as a
+    router may give, rows of x strided."""
+    n, num_experts, d, inter = 5, 6, 32, 16
+    x = torch.randn(n, 2 * d, device=device)[:, :d]
+    w13, w2 = weights(num_experts, d, inter, device)
+    topk_ids = torch.tensor([[4, 1]], device=device, dtype=torch.int32).expand(n, 2).contiguous()
+    topk_weights = torch.rand(n, 2, device=device)
+    torch.testing.assert_close(gemv(x, w13, w2, topk_weights, topk_ids),
+                               fused_moe_ref(x, w13, w2, topk_weights, topk_ids), **FP32)
+
+
+@pytest.mark.parametrize("up,down", [(GemvConfig(1, 16, 1, 1), GemvConfig(2, 16, 2, 2)),
+                                     (GemvConfig(16, 64, 4, 3), GemvConfig(16, 8, 4, 3)),
+                                     (GemvConfig(8, 32, 2, 2), GemvConfig(1, 64, 1, 1))])
+def test_gemv_with_other_tiles_matches_the_loop(up, down, device):
+    """The benchmark's sweep passes tiles: narrow and wide column blocks, several k tiles a slot in
+    the down launch (16 and 8 over I = 48), and one tile wider than the matrix."""
+    x = torch.randn(3, 64, device=device)
+    w13, w2 = weights(8, 64, 48, device)
+    topk_weights, topk_ids = routing(3, 8, 4, device)
+    torch.testing.assert_close(gemv(x, w13, w2, topk_weights, topk_ids, configs=(up, down)),
+                               fused_moe_ref(x, w13, w2, topk_weights, topk_ids), **FP32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_half_precision(dtype, device, poison_empty):
+    n, num_experts, top_k, d, inter = 3, 8, 2, 64, 32
+    x = torch.randn(n, d, device=device).to(dtype)
+    w13, w2 = weights(num_experts, d, inter, device, dtype)
+    topk_weights, topk_ids = routing(n, num_experts, top_k, device)
+    out = gemv(x, w13, w2, topk_weights.to(dtype), topk_ids)
+    assert out.dtype == dtype
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights.to(dtype), topk_ids)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_auto_takes_gemv_for_a_few_tokens_only(device, monkeypatch):
+    """fused_moe's default path: the GEMV launches up to GEMV_MAX_ASSIGNMENTS routed pairs, the
+    grouped GEMM above, and the grouped GEMM whenever its tiles are given."""
+    calls = []
+    real = moe_gemv.fused_moe_gemv
+    monkeypatch.setattr(moe_gemv, "fused_moe_gemv", lambda *a: calls.append(a[4].shape[0]) or real(*a))
+    num_experts, top_k, d, inter = 8, 2, 16, 16
+    w13, w2 = weights(num_experts, d, inter, device)
+    limit = moe_gemv.GEMV_MAX_ASSIGNMENTS // top_k
+    for n in (1, limit, limit + 1):
+        x = torch.randn(n, d, device=device)
+        topk_weights, topk_ids = routing(n, num_experts, top_k, device)
+        torch.testing.assert_close(fused_moe(x, w13, w2, topk_weights, topk_ids),
+                                   fused_moe_ref(x, w13, w2, topk_weights, topk_ids), **FP32)
+    assert calls == [1, limit]
+    x = torch.randn(1, d, device=device)
+    topk_weights, topk_ids = routing(1, num_experts, top_k, device)
+    fused_moe(x, w13, w2, topk_weights, topk_ids, configs=(moe.MoEConfig(16, 16, 16, 4, 2),) * 2)
+    assert calls == [1, limit]
+    with pytest.raises(ValueError, match="path"):
+        fused_moe(x, w13, w2, topk_weights, topk_ids, path="loop")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_gpu_gemv_a3b_shapes_bf16(n, rel_err):
+    w13, w2 = weights(A3B["num_experts"], A3B["d"], A3B["inter"], "cuda", torch.bfloat16)
+    x = torch.randn(n, A3B["d"], device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = routing(n, A3B["num_experts"], A3B["top_k"], "cuda")
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
+    torch.cuda.set_sync_debug_mode("error")   # no host sync: it runs inside the full decode graphs
+    try:
+        out = fused_moe_gemv(x, w13, w2, topk_weights, topk_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_cuda_graph_replay_with_new_routing(rel_err):
+    w13, w2 = weights(A3B["num_experts"], A3B["d"], A3B["inter"], "cuda", torch.bfloat16)
+    n = 4
+    x = torch.randn(n, A3B["d"], device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = routing(n, A3B["num_experts"], A3B["top_k"], "cuda")
+    fused_moe_gemv(x, w13, w2, topk_weights, topk_ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_gemv(x, w13, w2, topk_weights, topk_ids)
+    for concentrated in (False, True):
+        new_w, new_ids = routing(n, A3B["num_experts"], A3B["top_k"], "cuda")
+        if concentrated:  # every token on experts 0..7
+            new_ids = torch.arange(8, device="cuda").expand(n, 8).contiguous()
+        x.copy_(torch.randn_like(x))
+        topk_weights.copy_(new_w)
+        topk_ids.copy_(new_ids)
+        graph.replay()
+        ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
+        assert rel_err(out, ref) <= 1e-2
