@@ -153,31 +153,37 @@ def a3b_weights():
     return weights(A3B["num_experts"], A3B["d"], A3B["inter"], "cuda", torch.bfloat16)
 
 
+# Both paths at few tokens (kernels/moe_gemv.py's GEMV launches and the grouped GEMM), then what
+# fused_moe picks.
+GPU_CASES = [(1, "grouped"), (1, "gemv"), (2, "gemv"), (4, "gemv"), (16, "auto"), (64, "auto"), (256, "auto"),
+             (2048, "auto")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 16, 64, 256, 2048])
-def test_gpu_a3b_shapes_bf16(n, a3b_weights, rel_err):
+@pytest.mark.parametrize("n,path", GPU_CASES)
+def test_gpu_a3b_shapes_bf16(n, path, a3b_weights, rel_err):
     w13, w2 = a3b_weights
     x = torch.randn(n, A3B["d"], device="cuda", dtype=torch.bfloat16)
     topk_weights, topk_ids = routing(n, A3B["num_experts"], A3B["top_k"], "cuda")
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
     torch.cuda.set_sync_debug_mode("error")  # the fused path must never wait for the host
     try:
-        out = fused_moe(x, w13, w2, topk_weights, topk_ids)
+        out = fused_moe(x, w13, w2, topk_weights, topk_ids, path=path)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert rel_err(out, ref) <= 1e-2
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_new_routing(a3b_weights, rel_err):
+@pytest.mark.parametrize("n,path", [(16, "grouped"), (4, "gemv")])
+def test_gpu_cuda_graph_replay_with_new_routing(n, path, a3b_weights, rel_err):
     w13, w2 = a3b_weights
-    n = 16
     x = torch.randn(n, A3B["d"], device="cuda", dtype=torch.bfloat16)
     topk_weights, topk_ids = routing(n, A3B["num_experts"], A3B["top_k"], "cuda")
-    fused_moe(x, w13, w2, topk_weights, topk_ids)
+    fused_moe(x, w13, w2, topk_weights, topk_ids, path=path)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, topk_weights, topk_ids)
+        out = fused_moe(x, w13, w2, topk_weights, topk_ids, path=path)
     for concentrated in (False, True):
         new_w, new_ids = routing(n, A3B["num_experts"], A3B["top_k"], "cuda")
         if concentrated:  # every token on experts 0..7: a routing unlike the captured one
