@@ -109,8 +109,8 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, top_k, stride_xm, 
 
 @triton.jit
 def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, scale_ptr, y_ptr, N, K, top_k, stride_am, stride_we, stride_wn,
-                          stride_ym, EVEN_K: tl.constexpr, K_TILES: tl.constexpr, TOP_K_PAD: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                          stride_ym, EVEN_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[t, cols] = sum over slots s of scale[t*k + s] * (act[t*k + s] @ W[ids[t*k + s], cols].T)."""
     if PDL:  # the act rows come from the up launch, the ids and weights from the router
         gdc_wait()
@@ -120,31 +120,30 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, scale_ptr, y_ptr, N, K, top_k
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     wn = (cols % N).to(tl.int64)
-    # The token's experts and router weights up front, so that the loop's loads depend on no load
-    # made inside it (the pipeliner can then run them ahead).
+    # All k slots in one [slot, column, k] tile: a loop over the slots (one expert's few rows at a
+    # time) kept too few bytes in flight, each program waiting for memory k times as often
+    # (docs/PERF.md, session 34: 42 against 37 us for the grouped GEMM at one token).
     slots = tl.arange(0, TOP_K_PAD)
     slot_ok = slots < top_k
-    experts = tl.load(ids_ptr + t * top_k + slots, mask=slot_ok, other=0).to(tl.int64)
-    scales = tl.load(scale_ptr + t * top_k + slots, mask=slot_ok, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # One flat loop over (slot, k tile): a nested loop would pipeline only its few k tiles.
-    for i in range(0, top_k * K_TILES):
-        s = i // K_TILES
-        k0 = i % K_TILES
-        expert = tl.sum(tl.where(slots == s, experts, 0))
-        scale = tl.sum(tl.where(slots == s, scales, 0.0))
-        kk = k0 * BLOCK_K + rk
-        a_ptrs = act_ptr + (t * top_k + s) * stride_am + kk
-        w_ptrs = w_ptr + expert * stride_we + wn[:, None] * stride_wn + kk[None, :]
+    assignment = t * top_k + slots
+    experts = tl.load(ids_ptr + assignment, mask=slot_ok, other=0).to(tl.int64)
+    scales = tl.load(scale_ptr + assignment, mask=slot_ok, other=0.0).to(tl.float32)
+    a_ptrs = act_ptr + assignment[:, None] * stride_am + rk[None, :]
+    w_ptrs = w_ptr + experts[:, None, None] * stride_we + wn[None, :, None] * stride_wn + rk[None, None, :]
+    acc = tl.zeros((TOP_K_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            x = tl.load(a_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs)
+            x = tl.load(a_ptrs, mask=slot_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=slot_ok[:, None, None], other=0.0)
         else:
-            k_ok = kk < K
-            x = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1) * scale
-    tl.store(y_ptr + t * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
+            k_ok = rk < K - k0 * BLOCK_K
+            x = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=slot_ok[:, None, None] & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc * scales[:, None], axis=0)
+    tl.store(y_ptr + t * stride_ym + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -153,24 +152,36 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     and made unit-stride there) through the two GEMV launches."""
     n, top_k = topk_ids.shape
     _, two_i, d = w13.shape
-    inter = two_i // 2
-    up, down = configs or gemv_configs(n, top_k, inter, d)
-    act = torch.empty((n * top_k, inter), dtype=x.dtype, device=x.device)
+    up, down = configs or gemv_configs(n, top_k, two_i // 2, d)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    launch = pdl.launch_kwargs(x.device)
-    _moe_gemv_up_kernel[(n * top_k, triton.cdiv(inter, up.block_n))](
-        x, w13, ids, act, inter, d, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        EVEN_K=d % up.block_k == 0, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
-        num_warps=up.num_warps, num_stages=up.num_stages, **launch)
-    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    act = launch_up(x, w13, ids, top_k, up)
     scales = topk_weights.reshape(-1)
     if not scales.is_contiguous():
         scales = scales.contiguous()
-    _moe_gemv_down_kernel[(n, triton.cdiv(d, down.block_n))](
+    return launch_down(act, w2, ids, scales, top_k, down)
+
+
+def launch_up(x, w13, ids, top_k: int, cfg: GemvConfig) -> torch.Tensor:
+    """The up launch alone (the kernel benchmark times each): act [N*k, I] for flat ids [N*k]."""
+    _, two_i, d = w13.shape
+    inter = two_i // 2
+    act = torch.empty((ids.numel(), inter), dtype=x.dtype, device=x.device)
+    _moe_gemv_up_kernel[(ids.numel(), triton.cdiv(inter, cfg.block_n))](
+        x, w13, ids, act, inter, d, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        EVEN_K=d % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+    return act
+
+
+def launch_down(act, w2, ids, scales, top_k: int, cfg: GemvConfig) -> torch.Tensor:
+    """The down launch alone: y [N, D] from act [N*k, I], flat ids and router weights [N*k]."""
+    _, d, inter = w2.shape
+    n = ids.numel() // top_k
+    y = torch.empty((n, d), dtype=act.dtype, device=act.device)
+    _moe_gemv_down_kernel[(n, triton.cdiv(d, cfg.block_n))](
         act, w2, ids, scales, y, d, inter, top_k, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        EVEN_K=inter % down.block_k == 0, K_TILES=triton.cdiv(inter, down.block_k),
-        TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        num_warps=down.num_warps, num_stages=down.num_stages, **launch)
+        EVEN_K=inter % cfg.block_k == 0, TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(act.device))
     return y
