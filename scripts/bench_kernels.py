@@ -176,11 +176,10 @@ def moe_paths(w13, w2, experts, hidden, top_k):
             rows.append(row(f"fused_moe {path}", f"{tokens} tok, E128 k8", times[path], None, "",
                             f"{times[path] / floor:.2f}x floor ({floor:.1f} us); rel err {err:.1e}"))
         rows[-1]["note"] += f"; grouped / gemv {times['grouped'] / times['gemv']:.2f}x"
-    up_tiles = [UP, GemvConfig(2, 1024, 4, 3), GemvConfig(8, 1024, 4, 3), GemvConfig(4, 512, 4, 3),
-                GemvConfig(8, 1024, 8, 3), GemvConfig(16, 256, 4, 3), GemvConfig(2, 2048, 4, 2), GemvConfig(1, 2048, 4, 2),
-                GemvConfig(4, 2048, 8, 2)]
-    down_tiles = [DOWN, GemvConfig(2, 256, 4, 3), GemvConfig(8, 256, 8, 3), GemvConfig(4, 128, 4, 3),
-                  GemvConfig(2, 512, 4, 3), GemvConfig(1, 1024, 4, 2), GemvConfig(2, 1024, 8, 2), GemvConfig(8, 128, 4, 3),
+    up_tiles = [UP, GemvConfig(4, 1024, 4, 3), GemvConfig(1, 1024, 4, 3), GemvConfig(2, 1024, 2, 3),
+                GemvConfig(1, 1024, 2, 3), GemvConfig(1, 2048, 4, 2), GemvConfig(2, 2048, 8, 2), GemvConfig(2, 512, 4, 3)]
+    down_tiles = [DOWN, GemvConfig(4, 256, 4, 3), GemvConfig(1, 256, 4, 3), GemvConfig(2, 256, 2, 3),
+                  GemvConfig(1, 256, 2, 3), GemvConfig(1, 512, 4, 3), GemvConfig(2, 128, 2, 3), GemvConfig(1, 128, 1, 3),
                   GemvConfig(16, 64, 4, 3)]
     for tokens in (1, 4):
         x, topk_weights, topk_ids = moe_inputs(tokens, experts, hidden, top_k)

@@ -51,9 +51,11 @@ class GemvConfig:
     num_stages: int
 
 
-# (up, down) for bf16 on the H200, from scripts/bench_kernels.py's gemv sweep (session 34).
-UP = GemvConfig(4, 1024, 4, 3)
-DOWN = GemvConfig(4, 256, 4, 3)
+# (up, down) for bf16 on the H200, from scripts/bench_kernels.py's sweep of each launch alone at 1
+# and 4 tokens of Qwen3-30B-A3B (session 34, call 2): up 19.0 / 51.6 µs (1.6x / 1.2x its floor; the
+# other tiles 18.9-23.8 / 51.6-60.4), down 11.0 / 31.4 µs (1.9x / 1.5x; others 12.5-26.1 / 33.3-66.4).
+UP = GemvConfig(2, 1024, 4, 3)
+DOWN = GemvConfig(2, 256, 4, 3)
 
 
 def gemv_configs(n: int, k: int, inter: int, hidden: int) -> tuple[GemvConfig, GemvConfig]:
