@@ -12,6 +12,7 @@ All ops are functional: they return new contiguous tensors and mutate nothing.
   torch.ops.pcg.add_rms_norm(x, residual, weight, eps) -> (out, new_residual)
   torch.ops.pcg.silu_and_mul(x) -> out
   torch.ops.pcg.fused_moe(x, w13, w2, topk_weights, topk_ids) -> out
+  torch.ops.pcg.moe_topk_softmax(logits, top_k) -> (weights, ids)   (the router's top-k and softmax)
   torch.ops.pcg.linear(x, weight) -> x @ weight.T (skinny GEMM kernel for few rows, else F.linear)
   torch.ops.pcg.add_rms_norm_linear(x, residual, norm_weight, eps, weight) -> (normed @ weight.T, x + residual)
       (the add + RMSNorm folded into the next projection: one skinny launch for few rows)
@@ -19,8 +20,10 @@ All ops are functional: they return new contiguous tensors and mutate nothing.
       for few rows)
 """
 
+import torch
+
 from pcg_engine.custom_ops import pcg_op
-from pcg_engine.kernels import activation, fused_moe as moe, norm, skinny_gemm
+from pcg_engine.kernels import activation, fused_moe as moe, moe_route, norm, skinny_gemm
 
 
 @pcg_op("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
@@ -45,6 +48,13 @@ def silu_and_mul(x):
         fake=lambda x, w13, w2, topk_weights, topk_ids: x.new_empty((x.shape[0], w2.shape[1])))
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     return moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+@pcg_op("moe_topk_softmax(Tensor logits, int top_k) -> (Tensor, Tensor)",
+        fake=lambda logits, top_k: (logits.new_empty((logits.shape[0], top_k)),
+                                    logits.new_empty((logits.shape[0], top_k), dtype=torch.int64)))
+def moe_topk_softmax(logits, top_k):
+    return moe_route.topk_softmax(logits, top_k)
 
 
 @pcg_op("linear(Tensor x, Tensor weight) -> Tensor",

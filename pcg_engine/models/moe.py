@@ -1,9 +1,10 @@
 """Qwen3-MoE's sparse block: a softmax router picks top-k experts per token, weights normalised.
 
 Expert weights are stacked at load time the way the fused MoE kernel wants them: `w13` [E, 2I, D]
-(gate rows then up rows) and `w2` [E, D, I]. With kernels on, one grouped-GEMM per projection runs
-them (`pcg::fused_moe`); without, a per-expert PyTorch loop (the reference, and the unfused
-baseline of the benchmarks). The loop learns each expert's tokens on the host, so it is wrapped in
+(gate rows then up rows) and `w2` [E, D, I]. With kernels on, `pcg::fused_moe` runs them (two GEMV
+launches for a few tokens, one grouped GEMM per projection above) and `pcg::moe_topk_softmax` routes in
+one launch; without, torch's top-k and softmax and a per-expert PyTorch loop (the reference, and the
+unfused baseline of the benchmarks). The loop learns each expert's tokens on the host, so it is wrapped in
 a custom op: Dynamo keeps it as one opaque node instead of breaking the graph at it.
 """
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from pcg_engine.custom_ops import pcg_op
 from pcg_engine.kernels.fused_moe import fused_moe_ref
+from pcg_engine.kernels.moe_route import topk_softmax_ref
 from pcg_engine.models.layers import Projection
 
 
@@ -45,8 +47,10 @@ class SparseMoE(nn.Module):
             # logits whose fp32 probabilities round to the same value (far below the largest logit,
             # differing in their last bits) tie in transformers' top-k, which may then take either
             # expert, where this takes the larger logit; the weights are the same either way.
-            top, ids = torch.topk(logits, self.top_k, dim=-1)
-            return torch.softmax(top, dim=-1, dtype=torch.float32).to(h.dtype), ids
+            if self.use_kernels:    # the three in one launch (kernels/moe_route.py)
+                import pcg_engine.kernels.ops  # noqa: F401  (registers torch.ops.pcg.moe_topk_softmax)
+                return torch.ops.pcg.moe_topk_softmax(logits, self.top_k)
+            return topk_softmax_ref(logits, self.top_k)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         return weights.to(h.dtype), ids
