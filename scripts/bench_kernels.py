@@ -184,7 +184,7 @@ def moe_paths(w13, w2, experts, hidden, top_k):
     for tokens in (1, 4):
         x, topk_weights, topk_ids = moe_inputs(tokens, experts, hidden, top_k)
         ids, scales = topk_ids.reshape(-1).contiguous(), topk_weights.reshape(-1).contiguous()
-        base_up, base_down = gemv_configs(tokens, top_k, inter, hidden)
+        base_up, base_down = gemv_configs(inter, hidden)
         act = launch_up(x, w13, ids, top_k, base_up)
         want = {"up": act.float(), "down": launch_down(act, w2, ids, scales, top_k, base_down).float()}
         launches = {"up": lambda tile: launch_up(x, w13, ids, top_k, tile),

@@ -89,7 +89,7 @@ def _moe_variant(T: int, top_k: int, experts: int, inter: int, hidden: int) -> t
     # shapes; T sets only its grids), else block configs from the token count, the alignment's
     # tiling (or its torch fallback) and the sizes passed to the kernels.
     if moe_gemv.takes_gemv(T, top_k):
-        return ("gemv", *moe_gemv.gemv_configs(T, top_k, inter, hidden))
+        return ("gemv", *moe_gemv.gemv_configs(inter, hidden))
     up = fused_moe.moe_config(T, top_k, experts, inter, hidden, gated=True)
     down = fused_moe.moe_config(T, top_k, experts, hidden, inter, gated=False)
     total = T * top_k

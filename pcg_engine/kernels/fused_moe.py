@@ -34,7 +34,9 @@ def _align_shapes(total: int, num_experts: int, block_m: int) -> int:
 
 def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """moe_align as a dozen torch ops; the readable reference and the path for large batches."""
-    flat = topk_ids.reshape(-1).long()
+    # Clamped: every op below indexes with the ids, and in the start-up's compile-only pass
+    # (engine/precompile.py) they are whatever the skipped routing kernel's output buffer held.
+    flat = topk_ids.reshape(-1).long().clamp(0, num_experts - 1)
     total = flat.numel()
     device = flat.device
     m_max = _align_shapes(total, num_experts, block_m)
@@ -336,7 +338,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if n == 0:
         return x.new_empty((0, d))
     x, w13, w2 = _unit_stride_inner(x), _unit_stride_inner(w13), _unit_stride_inner(w2)
-    if path == "gemv" or (path == "auto" and configs is None and moe_gemv.takes_gemv(n, top_k)):
+    gemv = path == "gemv" or (path == "auto" and configs is None and moe_gemv.takes_gemv(n, top_k))
+    wanted = moe_gemv.GemvConfig if gemv else MoEConfig
+    if configs is not None and not all(isinstance(c, wanted) for c in configs):
+        raise ValueError(f"configs: the {'GEMV' if gemv else 'grouped GEMM'} path takes two {wanted.__name__}, "
+                         f"got {configs!r}")
+    if gemv:
         return moe_gemv.fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, configs)
     if configs is None:
         cfg_up = moe_config(n, top_k, e, two_i // 2, d, gated=True)

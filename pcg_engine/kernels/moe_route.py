@@ -8,8 +8,9 @@ a token loads its E logits, takes the largest k times (ties to the lower expert 
 writes the k weights, softmaxed in fp32 and rounded once, and the k expert ids (int64, as
 torch.topk gives them), largest first. The grid is the token count: nothing depends on the values.
 
-Differences from torch.topk: where logits are exactly equal, torch does not say which expert it
-takes; this takes the lower index. The weights are the same either way.
+Against torch.topk: where logits are exactly equal, torch does not say which expert it takes; this
+takes the lower index, and the weights are the same either way. A NaN logit is taken first, as
+torch does, and makes the token's weights NaN; -inf logits are taken last, each expert once.
 """
 
 from __future__ import annotations
@@ -30,18 +31,21 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.cons
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
-    x = tl.load(logits_ptr + t * stride_l + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * stride_l + experts, mask=experts < E, other=0.0).to(tl.float32)
+    # The selection key: NaN above everything, as torch.topk orders it. Taken experts (and the
+    # padding lanes) are masked out, not overwritten with -inf, so genuine -inf logits still give
+    # k distinct experts.
+    key = tl.where(x != x, float("inf"), x)
+    taken = experts >= E
     slots = tl.arange(0, K_PAD)
     top = tl.full((K_PAD,), float("-inf"), tl.float32)
     ids = tl.zeros((K_PAD,), tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.max(x, axis=0)
-        # No lane equals a NaN maximum: the clamp keeps the id a real expert (NaN in, NaN out, no
-        # read outside the expert weights).
-        pick = tl.minimum(tl.min(tl.where(x == best, experts, E_PAD), axis=0), E - 1)
-        top = tl.where(slots == j, best, top)
+        best = tl.max(tl.where(taken, float("-inf"), key), axis=0)
+        pick = tl.min(tl.where(~taken & (key == best), experts, E_PAD), axis=0)
+        top = tl.where(slots == j, tl.sum(tl.where(experts == pick, x, 0.0), axis=0), top)
         ids = tl.where(slots == j, pick, ids)
-        x = tl.where(experts == pick, float("-inf"), x)
+        taken = taken | (experts == pick)
     # top[0] is the largest: exp(top - top[0]) <= 1, and the padding slots give exp(-inf) = 0.
     p = tl.exp(top - tl.max(top, axis=0))
     w = p / tl.sum(p, axis=0)

@@ -60,6 +60,15 @@ def test_moe_align_all_tokens_one_expert_and_int32_ids(device):
         assert int(num_padded) == 12 and block_expert[:3].tolist() == [5, 5, 5]
 
 
+def test_torch_alignment_survives_ids_out_of_range(device):
+    """The start-up's compile-only pass (engine/precompile.py) skips the routing kernel, so the torch
+    alignment of a large batch meets whatever its id buffer held: it must not index outside its
+    tensors (a device-side assert ended the start on the GPU)."""
+    ids = torch.tensor([[1 << 40, -7], [3, 8]], device=device)
+    sorted_ids, block_expert, num_padded = moe_align_torch(ids, 8, 4)
+    assert ((block_expert >= 0) & (block_expert < 8)).all() and int(num_padded) % 4 == 0
+
+
 def test_large_batches_take_the_torch_path(device, monkeypatch):
     monkeypatch.setattr(moe, "_ALIGN_KERNEL_MAX_HIST", 0)      # every batch counts as large
     n, d, inter, num_experts = 9, 16, 16, 8

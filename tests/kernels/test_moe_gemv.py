@@ -15,10 +15,10 @@ def gemv(x, w13, w2, topk_weights, topk_ids, configs=None):
     return fused_moe(x, w13, w2, topk_weights, topk_ids, configs=configs, path="gemv")
 
 
-# (N, E, k, D, I): top-k not a power of two (3: the slot vector is padded); D and I off the tiles
-# (D = 30: the down launch's last column block wraps; I = 18: the up launch's does, and K = 18 is
-# not a multiple of the down tile); one expert, top-1; more tokens than experts.
-@pytest.mark.parametrize("n,num_experts,top_k,d,inter", [(1, 8, 3, 30, 18), (4, 16, 8, 64, 48), (2, 1, 1, 32, 16),
+# (N, E, k, D, I): top-k not a power of two (3: the slot vector is padded); odd D and I (31, 17:
+# both launches' last column blocks wrap and their stores mask, both K loops mask); one expert,
+# top-1; more tokens than experts.
+@pytest.mark.parametrize("n,num_experts,top_k,d,inter", [(1, 8, 3, 31, 17), (4, 16, 8, 64, 48), (2, 1, 1, 32, 16),
                                                          (9, 4, 2, 40, 24)])
 def test_gemv_matches_the_loop(n, num_experts, top_k, d, inter, device, poison_empty):
     x = torch.randn(n, d, device=device)
@@ -43,12 +43,13 @@ def test_gemv_shared_experts_int32_ids_and_strided_x(device, poison_empty):
 
 @pytest.mark.parametrize("up,down", [(GemvConfig(1, 16, 1, 1), GemvConfig(2, 16, 2, 2)),
                                      (GemvConfig(16, 64, 4, 3), GemvConfig(16, 8, 4, 3)),
-                                     (GemvConfig(8, 32, 2, 2), GemvConfig(1, 64, 1, 1))])
+                                     (GemvConfig(2, 32, 2, 2), GemvConfig(1, 64, 1, 1))])
 def test_gemv_with_other_tiles_matches_the_loop(up, down, device):
-    """The benchmark's sweep passes tiles: narrow and wide column blocks, several k tiles a slot in
-    the down launch (16 and 8 over I = 48), and one tile wider than the matrix."""
-    x = torch.randn(3, 64, device=device)
-    w13, w2 = weights(8, 64, 48, device)
+    """The benchmark's sweep passes tiles (the GPU table's 2-column blocks among them): narrow and
+    wide column blocks over odd D = 63 and I = 47 (the last blocks wrap), several k tiles a slot,
+    and tiles wider than the matrix."""
+    x = torch.randn(3, 63, device=device)
+    w13, w2 = weights(8, 63, 47, device)
     topk_weights, topk_ids = routing(3, 8, 4, device)
     torch.testing.assert_close(gemv(x, w13, w2, topk_weights, topk_ids, configs=(up, down)),
                                fused_moe_ref(x, w13, w2, topk_weights, topk_ids), **FP32)
@@ -69,6 +70,7 @@ def test_gemv_half_precision(dtype, device, poison_empty):
 def test_auto_takes_gemv_for_a_few_tokens_only(device, monkeypatch):
     """fused_moe's default path: the GEMV launches up to GEMV_MAX_ASSIGNMENTS routed pairs, the
     grouped GEMM above, and the grouped GEMM whenever its tiles are given."""
+    monkeypatch.setattr(moe_gemv, "ENABLED", True)       # whatever PCG_MOE_GEMV says here
     calls = []
     real = moe_gemv.fused_moe_gemv
     monkeypatch.setattr(moe_gemv, "fused_moe_gemv", lambda *a: calls.append(a[4].shape[0]) or real(*a))
@@ -87,3 +89,7 @@ def test_auto_takes_gemv_for_a_few_tokens_only(device, monkeypatch):
     assert calls == [1, limit]
     with pytest.raises(ValueError, match="path"):
         fused_moe(x, w13, w2, topk_weights, topk_ids, path="loop")
+    with pytest.raises(ValueError, match="configs: the GEMV path takes two GemvConfig"):
+        fused_moe(x, w13, w2, topk_weights, topk_ids, configs=(moe.MoEConfig(16, 16, 16, 4, 2),) * 2, path="gemv")
+    with pytest.raises(ValueError, match="configs: the grouped GEMM path takes two MoEConfig"):
+        fused_moe(x, w13, w2, topk_weights, topk_ids, configs=(GemvConfig(2, 16, 4, 1),) * 2)

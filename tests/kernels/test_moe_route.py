@@ -18,8 +18,9 @@ def check(logits, top_k):
     return weights, ids
 
 
-# (T, E, k): Qwen3-30B-A3B's router (128, 8); E not a power of two; top-1; k = E.
-@pytest.mark.parametrize("t,e,k", [(5, 128, 8), (3, 60, 4), (4, 6, 1), (2, 8, 8), (1, 8, 2)])
+# (T, E, k): Qwen3-30B-A3B's router (128, 8); E not a power of two; top-1; k = E; k not a power of two.
+@pytest.mark.parametrize("t,e,k", [(5, 128, 8), (3, 60, 4), (4, 6, 1), (2, 8, 8), (1, 8, 2), (3, 7, 3), (2, 128, 6),
+                                   (2, 5, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_topk_softmax_matches_torch(t, e, k, dtype, device, poison_empty):
     check(torch.randn(t, e, device=device).to(dtype), k)
@@ -48,12 +49,21 @@ def test_no_tokens_and_bad_arguments(device):
         topk_softmax(torch.randn(2, 8, device=device).long(), 2)
 
 
-def test_nan_logits_still_name_real_experts(device):
-    """A NaN row (garbage in) must not send the MoE kernels outside the expert weights."""
-    logits = torch.randn(2, 8, device=device)
+def test_nan_first_and_minus_inf_last_each_expert_once(device):
+    """As torch.topk orders them: a NaN logit is taken first (its token's weights are then NaN), and
+    -inf logits last, each expert once even where k reaches into them."""
+    logits = torch.randn(3, 8, device=device)
+    logits[0, 5] = float("nan")
     logits[1] = float("nan")
-    _, ids = topk_softmax(logits, 3)
-    assert ((ids >= 0) & (ids < 8)).all()
+    logits[2] = float("-inf")
+    logits[2, 6] = 0.0
+    weights, ids = topk_softmax(logits, 3)
+    assert ids[0, 0].item() == 5 and weights[0].isnan().all()
+    assert sorted(ids[1].tolist()) == [0, 1, 2] and weights[1].isnan().all()
+    assert ids[2].tolist() == [6, 0, 1]
+    torch.testing.assert_close(weights[2], torch.tensor([1.0, 0.0, 0.0], device=device))
+    _, ref_ids = topk_softmax_ref(logits, 3)
+    assert ids[0, 0] == ref_ids[0, 0] and ids[2, 0] == ref_ids[2, 0]
 
 
 @pytest.mark.gpu

@@ -48,19 +48,23 @@ def test_moe_variant_matches_transformers(variant, tmp_path_factory):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("normed", [True, False])
-def test_route_is_transformers_softmax_top_k(dtype, normed):
+def test_route_is_transformers_softmax_top_k(dtype, normed, kernels):
     """SparseMoE.route against transformers' routing written out (softmax over every expert in
     fp32, top-k, the k weights divided by their sum where norm_topk_prob): the same experts, exact
     ties in the logits included (one split at the k-th place), and weights equal up to fp32
     rounding (norm_topk_prob takes the softmax of the top-k logits instead). Not covered: different
-    logits whose probabilities round to one value (route's comment)."""
+    logits whose probabilities round to one value (route's comment). With kernels (normed:
+    kernels/moe_route.py) an exact tie may name another of the tied experts: the chosen logits are
+    compared there."""
     from types import SimpleNamespace
     torch.manual_seed(0)
     config = SimpleNamespace(num_experts=128, hidden_size=64, moe_intermediate_size=16, num_experts_per_tok=8,
                              norm_topk_prob=normed)
     moe = SparseMoE(config).to(dtype)
+    moe.use_kernels = kernels
     h = torch.randn(64, 64, dtype=dtype)
     with torch.no_grad():
         moe.gate.weight.normal_(0, 0.5)
@@ -73,6 +77,11 @@ def test_route_is_transformers_softmax_top_k(dtype, normed):
             want_w, want_ids = torch.topk(probs, 8, dim=-1)
             if normed:
                 want_w = want_w / want_w.sum(dim=-1, keepdim=True)
-            assert torch.equal(ids, want_ids) and weights.dtype == dtype
+            if kernels and normed:
+                logits = moe.gate(h)
+                assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+            else:
+                assert torch.equal(ids, want_ids)
+            assert weights.dtype == dtype
             torch.testing.assert_close(weights.float(), want_w.to(dtype).float(), rtol=0,
                                        atol=1e-6 if dtype == torch.float32 else 2 ** -8)
