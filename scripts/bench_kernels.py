@@ -1,10 +1,12 @@
 """Micro-benchmark of the fused kernels on a CUDA GPU: one table, optionally a JSON file.
 
     python scripts/bench_kernels.py [--json PATH] [--only attention,graph_split,argmax,rope_attention] [--attention-sweep none|quick|full]
+                                    [--moe-sweep]
 
 Memory-bound kernels (add+RMSNorm, SiLU-and-mul) are measured against the copy ceiling, the fused
 MoE against the time to read its active experts' weights once at that ceiling (its floor for
-small batches) and against the per-expert PyTorch loop it replaces. Times are GPU times from
+small batches) and against the per-expert PyTorch loop it replaces; its few-token GEMV path against the
+grouped GEMM at 1-16 tokens, and the router's one-launch top-k + softmax against torch's. Times are GPU times from
 CUDA-graph replays with the L2 flushed before every call (see time_us): what a graphed step sees.
 Attention rotates input sets instead (AttentionShape: no call finds its KV in L2) and ends with
 a sweep of decode launch variants (sweep_rows), each row checked against the torch reference.
@@ -125,7 +127,7 @@ def argmax_rows_section():
     return rows
 
 
-def moe_rows():
+def moe_rows(sweep: bool = False):
     from pcg_engine.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align, moe_align_torch, moe_config
     experts, hidden, inter, top_k = 128, 2048, 768, 8  # Qwen3-30B-A3B
     w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) * 0.02
@@ -147,6 +149,21 @@ def moe_rows():
         rows.append(row("moe_align", f"{tokens} tok x k8, E128, block_m {block_m}", kernel_us, None, "",
                         f"torch-ops version {torch_us:.1f} us"))
     rows += moe_paths(w13, w2, experts, hidden, top_k)
+    rows += moe_route_rows(experts, top_k)
+    if sweep:
+        rows += moe_gemv_sweep(w13, w2, experts, hidden, top_k)
+    return rows
+
+
+def moe_route_rows(experts, top_k):
+    """The router's top-k + softmax in one launch (kernels/moe_route.py) against torch's three kernels."""
+    from pcg_engine.kernels.moe_route import topk_softmax, topk_softmax_ref
+    rows = []
+    for tokens in (1, 16, 256):
+        logits = torch.randn(tokens, experts, device="cuda", dtype=DTYPE)
+        us, ref = time_us(lambda: topk_softmax(logits, top_k)), time_us(lambda: topk_softmax_ref(logits, top_k))
+        rows.append(row("moe_topk_softmax", f"{tokens} tok, E{experts} k{top_k}", us, None, "",
+                        f"torch top-k + softmax + cast {ref:.1f} us ({ref / us:.2f}x)"))
     return rows
 
 
@@ -158,10 +175,8 @@ def moe_inputs(tokens, experts, hidden, top_k):
 
 def moe_paths(w13, w2, experts, hidden, top_k):
     """The few-token GEMV path (kernels/moe_gemv.py) against the grouped GEMM at 1-16 tokens (where
-    fused_moe switches: GEMV_MAX_ASSIGNMENTS), each checked against the loop; then its two launches
-    alone, each over a sweep of tiles at 1 and 4 tokens."""
+    fused_moe switches: GEMV_MAX_ASSIGNMENTS), each checked against the loop."""
     from pcg_engine.kernels.fused_moe import fused_moe, fused_moe_ref
-    from pcg_engine.kernels.moe_gemv import DOWN, UP, GemvConfig, gemv_configs, launch_down, launch_up
     inter = w2.shape[2]
     rows = []
     for tokens in (1, 2, 3, 4, 6, 8, 16):
@@ -176,6 +191,14 @@ def moe_paths(w13, w2, experts, hidden, top_k):
             rows.append(row(f"fused_moe {path}", f"{tokens} tok, E128 k8", times[path], None, "",
                             f"{times[path] / floor:.2f}x floor ({floor:.1f} us); rel err {err:.1e}"))
         rows[-1]["note"] += f"; grouped / gemv {times['grouped'] / times['gemv']:.2f}x"
+    return rows
+
+
+def moe_gemv_sweep(w13, w2, experts, hidden, top_k):
+    """The GEMV path's two launches alone, each over a sweep of tiles at 1 and 4 tokens (--moe-sweep)."""
+    from pcg_engine.kernels.moe_gemv import DOWN, UP, GemvConfig, gemv_configs, launch_down, launch_up
+    inter = w2.shape[2]
+    rows = []
     up_tiles = [UP, GemvConfig(4, 1024, 4, 3), GemvConfig(1, 1024, 4, 3), GemvConfig(2, 1024, 2, 3),
                 GemvConfig(1, 1024, 2, 3), GemvConfig(1, 2048, 4, 2), GemvConfig(2, 2048, 8, 2), GemvConfig(2, 512, 4, 3)]
     down_tiles = [DOWN, GemvConfig(4, 256, 4, 3), GemvConfig(1, 256, 4, 3), GemvConfig(2, 256, 2, 3),
@@ -436,6 +459,9 @@ def main(argv=None, prog=None):
     parser.add_argument("--attention-sweep", choices=("none", "quick", "full"), default="quick",
                         help="decode launch variants (attention section): quick ~1 min, full every "
                              "variant at every shape")
+    parser.add_argument("--moe-sweep", action="store_true",
+                        help="moe section: also time the few-token GEMV path's two launches alone over a tile "
+                             "sweep at 1 and 4 tokens (the tuning of kernels/moe_gemv.py's table)")
     args = parser.parse_args(argv)
     # Checked here, not on the GPU only: a misspelt section was a KeyError traceback there.
     for name in args.only.split(","):
@@ -452,7 +478,7 @@ def main(argv=None, prog=None):
         write_json(args.json, dict(record, gpu=None, rows=[], skipped=reason))
         return 0
     gpu = torch.cuda.get_device_name()
-    sections = dict(norm=norm_rows, activation=activation_rows, moe=moe_rows,
+    sections = dict(norm=norm_rows, activation=activation_rows, moe=lambda: moe_rows(args.moe_sweep),
                     attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows,
                     argmax=argmax_rows_section, rope_attention=rope_attention_section)
     rows = []
