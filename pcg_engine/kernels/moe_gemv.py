@@ -63,20 +63,23 @@ UP = GemvConfig(2, 1024, 4, 3)
 DOWN = GemvConfig(2, 256, 4, 3)
 
 
-def gemv_configs(inter: int, hidden: int) -> tuple[GemvConfig, GemvConfig]:
-    """Tiles for the up and down launches: the table's, shrunk to the (power-of-two-rounded)
-    matrices. Depends on the weights' shapes only (the token count sets only the grids).
+# Under Triton's CPU interpreter: column blocks as wide as the matrix (at most 64). There the cost
+# follows the number of programs, and the table's 2-column blocks made the tiny MoE model's CPU
+# tests 8x slower than the grouped GEMM.
+INTERPRETED = GemvConfig(64, 64, 4, 1)
 
-    Under Triton's CPU interpreter the column blocks are as wide as the matrix (at most 64): there
-    the cost follows the number of programs, and the table's 2-column blocks made the tiny MoE
-    model's CPU tests 8x slower than the grouped GEMM."""
-    if triton_interpreting():
-        return (GemvConfig(min(64, triton.next_power_of_2(inter)), min(64, triton.next_power_of_2(hidden)), 4, 1),
-                GemvConfig(min(64, triton.next_power_of_2(hidden)), min(64, triton.next_power_of_2(inter)), 4, 1))
-    up = GemvConfig(UP.block_n, min(UP.block_k, triton.next_power_of_2(hidden)), UP.num_warps, UP.num_stages)
-    down = GemvConfig(DOWN.block_n, min(DOWN.block_k, triton.next_power_of_2(inter)), DOWN.num_warps,
-                      DOWN.num_stages)
-    return up, down
+
+def gemv_configs(inter: int, hidden: int) -> tuple[GemvConfig, GemvConfig]:
+    """Tiles for the up launch ([I, D] per gate / up) and the down launch ([D, I]): the table's (or
+    INTERPRETED's), shrunk to the power-of-two-rounded matrices. Depends on the weights' shapes
+    only (the token count sets only the grids)."""
+    up, down = (INTERPRETED, INTERPRETED) if triton_interpreting() else (UP, DOWN)
+    return _fit(up, inter, hidden), _fit(down, hidden, inter)
+
+
+def _fit(cfg: GemvConfig, n: int, k: int) -> GemvConfig:
+    p2 = triton.next_power_of_2
+    return GemvConfig(min(cfg.block_n, p2(n)), min(cfg.block_k, p2(k)), cfg.num_warps, cfg.num_stages)
 
 
 def takes_gemv(num_tokens: int, top_k: int) -> bool:
@@ -167,14 +170,9 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     n, top_k = topk_ids.shape
     _, two_i, d = w13.shape
     up, down = configs or gemv_configs(two_i // 2, d)
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
     act = launch_up(x, w13, ids, top_k, up)
-    scales = topk_weights.reshape(-1)
-    if not scales.is_contiguous():
-        scales = scales.contiguous()
-    return launch_down(act, w2, ids, scales, top_k, down)
+    return launch_down(act, w2, ids, topk_weights.reshape(-1).contiguous(), top_k, down)
 
 
 def launch_up(x, w13, ids, top_k: int, cfg: GemvConfig) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 from pcg_engine.custom_ops import pcg_op
 from pcg_engine.kernels.fused_moe import fused_moe_ref
 from pcg_engine.kernels.moe_route import topk_softmax_ref
-from pcg_engine.models.layers import Projection
+from pcg_engine.models.layers import Projection, _kernel_ops
 
 
 @pcg_op("moe_experts_ref(Tensor h, Tensor w13, Tensor w2, Tensor weights, Tensor ids) -> Tensor",
@@ -48,8 +48,7 @@ class SparseMoE(nn.Module):
             # differing in their last bits) tie in transformers' top-k, which may then take either
             # expert, where this takes the larger logit; the weights are the same either way.
             if self.use_kernels:    # the three in one launch (kernels/moe_route.py)
-                import pcg_engine.kernels.ops  # noqa: F401  (registers torch.ops.pcg.moe_topk_softmax)
-                return torch.ops.pcg.moe_topk_softmax(logits, self.top_k)
+                return _kernel_ops().moe_topk_softmax(logits, self.top_k)
             return topk_softmax_ref(logits, self.top_k)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -58,6 +57,5 @@ class SparseMoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(h)
         if self.use_kernels:
-            import pcg_engine.kernels.ops  # noqa: F401  (registers torch.ops.pcg.fused_moe)
-            return torch.ops.pcg.fused_moe(h, self.w13, self.w2, weights, ids)
+            return _kernel_ops().fused_moe(h, self.w13, self.w2, weights, ids)
         return torch.ops.pcg.moe_experts_ref(h, self.w13, self.w2, weights, ids)
