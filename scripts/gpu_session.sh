@@ -14,7 +14,7 @@
 # p1_moe (P1 every mode on Qwen3-30B-A3B's first MOE_LAYERS layers, default 8: make-model --num-layers; the whole
 # checkpoint, 61 GB, does not fit the machine's disk), rawab (bench_attention_launch.py --raw-ab: the launcher object against Triton 3.6's C launch, per call and bound; RAWAB_CONFIGS),
 # p1_norope (graph modes with PCG_FUSED_ROPE_ATTENTION=0), p1_piece (piecewise: Inductor pieces vs FX pieces; alternated twice), p1_trace (piecewise P1, PCG_SAVED_TRACE=0/1 alternated twice),
-# prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
+# prof1 (batch-1 profile with each config's kernels by name; PROF1_CONFIGS, PROF1_TAG, PROF_MODEL: a preset, PRESET:N its first N layers), fusedrope (its tests on the GPU + bench_kernels --only rope_attention),
 # p1 takes P1_MODES and P1_TAG; overhead32 takes OVERHEAD_LIM (s per size); p4 (host overhead), overhead (the overhead table), overhead32 (the same in float32: its same_tokens), profile, kernels, hostprof (scripts/host_profile.py
 # per mode of HOSTPROF_MODES at HOSTPROF_N requests), skinny (the skinny-GEMM tile sweep), blas (F.linear under cuBLAS vs cuBLASLt; BLAS_ARGS),
 # fwdhost (scripts/forward_host.py: an eager full-decode forward's host ms and its Triton JIT share), p1_rope / p1_8b_rope
@@ -97,7 +97,7 @@ part() {
               $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise} --num-iters 2 --warmup-iters 1 \
               --json $OUT/p1_q06_trace$v-$i.json 2>&1 | grep -E "piecewise|mode" | sed "s/^/trace=$v /"
           done; done ;;
-    prof1) timeout $(lim 120) $B profile --model $(model qwen3-0.6b) --requests 1 --steps 20 --kernel-table \
+    prof1) timeout $(lim 120) $B profile --model $(model ${PROF_MODEL:-qwen3-0.6b}) --requests 1 --steps 20 --kernel-table \
           --configs "${PROF1_CONFIGS:-full graphs + async,piecewise + async}" --out-dir $OUT/prof1${PROF1_TAG:-} \
           --json $OUT/prof1${PROF1_TAG:-}.json 2>&1 | tail -${PROF1_TAIL:-90} ;;
     p1_nofast) PCG_FAST_LAUNCH=0 timeout $(lim 120) $B latency --model $(model qwen3-0.6b) --modes ${P1_MODES:-piecewise,full_and_piecewise} \
