@@ -25,6 +25,8 @@ from pcg_engine.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 SHAPES = {  # name -> (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
     "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096), "8B down": (4096, 12288),
+    # Qwen3-30B-A3B's dense projections (32 q and 4 kv heads of 128, hidden 2048; the experts are fused_moe's)
+    "30B qkv": (5120, 2048), "30B o": (2048, 4096), "30B router": (128, 2048),
 }
 M1_CONFIGS = ([SkinnyConfig(bn, bk, True, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
               + [SkinnyConfig(bn, bk, False, w, 3) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024)
