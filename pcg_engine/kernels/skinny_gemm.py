@@ -196,6 +196,11 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     # for the fold; expected -3 us a layer of GPU time there (the norm's launch).
     (2, 4096, 1024): SkinnyConfig(4, 1024, False, 4, 3),
     (2, 6144, 1024): SkinnyConfig(4, 1024, False, 4, 3),
+    # Qwen3-30B-A3B's MoE router (N = 128 experts, K = 2048): cuBLAS's tile leaves most SMs idle,
+    # 5.1 µs at 1-4 rows against 2.2 / 2.4 / 2.8 here (session 35, `--shapes "30B router"`).
+    (1, 128, 2048): SkinnyConfig(2, 1024, False, 4, 3),
+    (2, 128, 2048): SkinnyConfig(2, 1024, False, 4, 3),
+    (4, 128, 2048): SkinnyConfig(2, 1024, False, 4, 3),
 }
 
 # Qwen3-8B at one row on the CUDA-core path (the session 3 sweep's best CUDA-core tiles, with the

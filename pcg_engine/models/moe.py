@@ -14,7 +14,7 @@ from torch import nn
 from pcg_engine.custom_ops import pcg_op
 from pcg_engine.kernels.fused_moe import fused_moe_ref
 from pcg_engine.kernels.moe_route import topk_softmax_ref
-from pcg_engine.models.layers import Projection, _kernel_ops
+from pcg_engine.models.layers import Linear, _kernel_ops
 
 
 @pcg_op("moe_experts_ref(Tensor h, Tensor w13, Tensor w2, Tensor weights, Tensor ids) -> Tensor",
@@ -29,7 +29,7 @@ class SparseMoE(nn.Module):
         E, D, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts, self.top_k, self.intermediate = E, config.num_experts_per_tok, I
         self.norm_topk_prob = bool(config.norm_topk_prob)
-        self.gate = Projection(D, E)
+        self.gate = Linear(D, E)     # few-row steps may take the skinny GEMM (kernels/skinny_gemm.py's TUNED)
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
         self.use_kernels = False

@@ -58,12 +58,15 @@ def test_row_buckets_and_dispatch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("m", [1, 4, 16])
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (6144, 4096)])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (6144, 4096), (128, 2048)])
 def test_gpu_real_shapes_bf16(m, n, k):
+    """The sweep's kinds of tile and the TUNED one where the shape has it ((128, 2048): Qwen3-30B-A3B's
+    router) against an fp32 product."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     ref = x.float() @ w.float().T
-    for config in (SkinnyConfig(32, 256, True), SkinnyConfig(8, 512, False), SkinnyConfig(16, 512, False)):
+    tuned = [c for c in (sg.tuned_config(m, n, k),) if c is not None]
+    for config in (SkinnyConfig(32, 256, True), SkinnyConfig(8, 512, False), SkinnyConfig(16, 512, False), *tuned):
         y = skinny_gemm(x, w, config)
         assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
@@ -87,6 +90,28 @@ def test_linear_layers_take_the_kernel_only_for_tuned_shapes(monkeypatch):
     monkeypatch.setattr(sg, "ENABLED", False)           # PCG_SKINNY_GEMM=0
     set_kernels(model, True)
     assert [m.use_kernels for m in model] == [False, False, True]
+
+
+def test_moe_router_takes_the_kernel_for_a_tuned_shape(monkeypatch):
+    """The MoE router is a layers.Linear, so a tuned router shape (Qwen3-30B-A3B's 128 x 2048) takes
+    the skinny GEMM; its logits through the op equal F.linear's on the CPU."""
+    import pcg_engine.kernels.ops  # noqa: F401  (registers torch.ops.pcg.linear)
+    from types import SimpleNamespace
+    from pcg_engine.models.fuse import set_kernels
+    from pcg_engine.models.moe import SparseMoE
+
+    config = SimpleNamespace(num_experts=16, hidden_size=64, moe_intermediate_size=8, num_experts_per_tok=2,
+                             norm_topk_prob=True)
+    moe = SparseMoE(config)
+    torch.nn.init.normal_(moe.gate.weight)
+    set_kernels(moe, True)
+    assert not moe.gate.use_kernels                     # (16, 64): no measured shape
+    assert sg.has_tuned(128, 2048)                      # the 30B-A3B router's entry
+    monkeypatch.setattr(sg, "TUNED", {(1, 16, 64): SkinnyConfig(2, 64, False)})
+    set_kernels(moe, True)
+    assert moe.gate.use_kernels
+    h = torch.randn(1, 64)
+    torch.testing.assert_close(moe.gate(h), torch.nn.functional.linear(h, moe.gate.weight))
 
 
 def test_tuned_table_is_well_formed():

@@ -79,6 +79,7 @@ def test_only_measured_shapes_split_and_the_switch_turns_it_off(monkeypatch):
     """PCG_SPLIT_K is read when a model is fused (splits_for), not at import: a value set after the
     engine was imported (the compile cache key reads it at set-up) reaches the model too."""
     assert split_k.splits_for(4096, 4096) == 4 and split_k.splits_for(4096, 12288) == 4
+    assert split_k.splits_for(2048, 4096) == 4
     assert split_k.splits_for(1024, 2048) == 0
     monkeypatch.setenv("PCG_SPLIT_K", "0")
     assert split_k.splits_for(4096, 4096) == 0
@@ -87,10 +88,10 @@ def test_only_measured_shapes_split_and_the_switch_turns_it_off(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288)], ids=["8B-o", "8B-down"])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (2048, 4096)], ids=["8B-o", "8B-down", "30B-A3B-o"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gpu_real_shapes_bf16(n, k, rows, rel_err):
-    """At Qwen3-8B's o and down shapes in bf16: the bmm's partials sum to F.linear's output within
+    """At Qwen3-8B's o and down and Qwen3-30B-A3B's o shapes in bf16: the bmm's partials sum to F.linear's output within
     bf16 rounding, and the partial norm matches the reference (the fp32 sum's order may differ from
     torch's, so a rounding of the residual may too: a tolerance, not equality)."""
     w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t().contiguous().t()
