@@ -104,7 +104,7 @@ def skinny_cases(add):
     and, at one row, off (eager decode); plus fp32 and the tensor-core path the benchmark sweeps."""
     from pcg_engine.kernels import skinny_gemm as sg
     roles = {}
-    for m in (preset("qwen3-0.6b"), preset("qwen3-8b")):
+    for m in (preset("qwen3-0.6b"), preset("qwen3-8b"), preset("qwen3-30b-a3b")):
         roles[((m.hq + 2 * m.hk) * m.d, m.hidden)] = ("plain", "norm")
         roles[(2 * m.inter, m.hidden)] = ("norm",)
         roles[(m.hidden, m.hq * m.d)] = ("plain",)
