@@ -211,8 +211,9 @@ m = {c: sorted(r['python_median_us'] for r in runs)[len(runs) // 2] for c, runs 
           done ;;
     p1tree) for i in 1 2; do for v in ${TREE_VALUES:-base new}; do   # A/B, alternated twice: P1 of this tree ("new") against
             # the tree unpacked in AB_TREE ("base", e.g. git archive of the commit before a change); "new:VAR=x" adds a switch
+            # (any other name X: the tree in abtree/X, as ttfttree)
             tree=${v%%:*}; envs=; [ "$tree" != "$v" ] && envs=${v#*:}
-            [ $tree = base ] && pp=$PWD/${AB_TREE:?AB_TREE: the base tree} || pp=$PWD
+            case $tree in new) pp=$PWD ;; base) pp=$PWD/${AB_TREE:?AB_TREE: the base tree} ;; *) pp=$PWD/abtree/$tree ;; esac
             env PYTHONSAFEPATH=1 PYTHONPATH=$pp $envs timeout $(lim 120) python3 -m pcg_engine.cli bench latency --model $(model ${AB_MODEL:-qwen3-0.6b}) \
               --modes ${P1_MODES:-full_decode} --num-iters 2 --warmup-iters 1 --json $OUT/p1tree_${v//[:=]/_}-$i.json 2>&1 \
               | grep -E "full_decode|piecewise|mode" | sed "s/^/$v run $i /"
