@@ -24,11 +24,14 @@ from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def topk_softmax_row(x, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """One token's E_PAD logits x (fp32, lanes >= E ignored) -> (weights [K_PAD] fp32, ids [K_PAD]
-    int64, slots [K_PAD]): the top-k largest first and their softmax; slots >= TOP_K are padding.
-    (Also the last step of kernels/moe_norm_route.py.)"""
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                         E_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: the logits come from the router's projection
+        gdc_wait()
+        gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
+    x = tl.load(logits_ptr + t * stride_l + experts, mask=experts < E, other=0.0).to(tl.float32)
     # The selection key: NaN above everything, as torch.topk orders it. Taken experts (and the
     # padding lanes) are masked out, not overwritten with -inf, so genuine -inf logits still give
     # k distinct experts.
@@ -45,19 +48,7 @@ def topk_softmax_row(x, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.c
         taken = taken | (experts == pick)
     # top[0] is the largest: exp(top - top[0]) <= 1, and the padding slots give exp(-inf) = 0.
     p = tl.exp(top - tl.max(top, axis=0))
-    return p / tl.sum(p, axis=0), ids, slots
-
-
-@triton.jit
-def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                         E_PAD: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py: the logits come from the router's projection
-        gdc_wait()
-        gdc_launch_dependents()
-    t = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, E_PAD)
-    x = tl.load(logits_ptr + t * stride_l + experts, mask=experts < E, other=0.0).to(tl.float32)
-    w, ids, slots = topk_softmax_row(x, E, TOP_K, K_PAD, E_PAD)
+    w = p / tl.sum(p, axis=0)
     ok = slots < TOP_K
     tl.store(w_ptr + t * TOP_K + slots, w.to(w_ptr.dtype.element_ty), mask=ok)
     tl.store(ids_ptr + t * TOP_K + slots, ids, mask=ok)

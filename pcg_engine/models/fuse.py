@@ -15,9 +15,8 @@ import os
 import torch
 from torch import nn
 
-from pcg_engine.kernels import moe_norm_route, split_k
+from pcg_engine.kernels import split_k
 from pcg_engine.models.layers import Linear, RMSNorm, concat_linear
-from pcg_engine.models.moe import SparseMoE
 
 # PCG_WEIGHT_NN=0 keeps every projection's weight [N, K] contiguous as the checkpoint stores it (an
 # A/B switch for benchmarks; part of the compile cache key like every PCG_* switch). Read at fuse time,
@@ -76,19 +75,12 @@ def store_transposed(model):
 def set_kernels(model, kernels: bool):
     """Route norms, activation and MoE through the Triton custom ops (CUDA) or plain PyTorch; with
     kernels on CUDA, the few-row o and down projections of a measured shape split K by hand
-    (kernels/split_k.py) unless the skinny GEMM serves them, and a MoE router of a measured shape
-    runs with the norm before it and the top-k in one launch for a few tokens (kernels/moe_norm_route.py)."""
+    (kernels/split_k.py) unless the skinny GEMM serves them."""
     for module in model.modules():
         if hasattr(module, "use_kernels"):
             # A module may decline (layers.Linear: no measured kernel win for its shape).
             module.use_kernels = kernels and getattr(module, "kernel_applies", lambda: True)()
     for name, module in model.named_modules():
-        if isinstance(module, SparseMoE):
-            gate = module.gate.weight
-            wanted = module.use_kernels and module.norm_topk_prob and gate.is_cuda
-            module.route_block = moe_norm_route.block_experts(*gate.shape) if wanted else 0
-            module.route_workspace = (moe_norm_route.RouteWorkspace(moe_norm_route.MAX_TOKENS, gate.shape[0], gate.device)
-                                      if module.route_block else None)
         if isinstance(module, Linear):
             wanted = (kernels and not module.use_kernels and module.weight.is_cuda
                       and name.rsplit(".", 1)[-1] in split_k.SPLIT_K_PROJECTIONS)

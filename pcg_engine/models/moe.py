@@ -3,8 +3,7 @@
 Expert weights are stacked at load time the way the fused MoE kernel wants them: `w13` [E, 2I, D]
 (gate rows then up rows) and `w2` [E, D, I]. With kernels on, `pcg::fused_moe` runs them (two GEMV
 launches for a few tokens, one grouped GEMM per projection above) and `pcg::moe_topk_softmax` routes in
-one launch (in eager steps of a few tokens, kernels/moe_norm_route.py also takes in the add + RMSNorm
-before the block and the router); without, torch's top-k and softmax and a per-expert PyTorch loop (the reference, and the
+one launch; without, torch's top-k and softmax and a per-expert PyTorch loop (the reference, and the
 unfused baseline of the benchmarks). The loop learns each expert's tokens on the host, so it is wrapped in
 a custom op: Dynamo keeps it as one opaque node instead of breaking the graph at it.
 """
@@ -13,7 +12,6 @@ import torch
 from torch import nn
 
 from pcg_engine.custom_ops import pcg_op
-from pcg_engine.kernels import moe_norm_route
 from pcg_engine.kernels.fused_moe import fused_moe_ref
 from pcg_engine.kernels.moe_route import topk_softmax_ref
 from pcg_engine.models.layers import Linear, _kernel_ops
@@ -35,22 +33,6 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
         self.use_kernels = False
-        # Set by models/fuse.py with kernels on CUDA where kernels/moe_norm_route.py has the shape:
-        # its BLOCK_E and the launches' scratch. 0: the norm, router and top-k as three ops.
-        self.route_block = 0
-        self.route_workspace = None
-
-    def takes_norm_route(self, h: torch.Tensor, norm) -> bool:
-        """Whether the add + RMSNorm before this block, the router and the top-k run as one launch
-        (kernels/moe_norm_route.py): a few tokens of an eager step (never in a trace, where the
-        token count is symbolic), h being the attention's output or o_proj's split-K partials."""
-        return bool(self.route_block) and norm.use_kernels and not torch.compiler.is_compiling() \
-            and 0 < h.shape[-2] <= moe_norm_route.MAX_TOKENS
-
-    def norm_and_route(self, h: torch.Tensor, residual: torch.Tensor, norm):
-        """(normed h, new residual, weights, ids) in one launch (see takes_norm_route)."""
-        return moe_norm_route.norm_route(h, residual, norm.weight, norm.eps, self.gate.weight, self.top_k,
-                                         self.route_block, self.route_workspace)
 
     def route(self, h: torch.Tensor):
         """(weights in h's dtype, expert ids), each [T, top_k]: transformers' softmax over all
@@ -73,9 +55,7 @@ class SparseMoE(nn.Module):
         return weights.to(h.dtype), ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.experts(h, *self.route(h))
-
-    def experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(h)
         if self.use_kernels:
             return _kernel_ops().fused_moe(h, self.w13, self.w2, weights, ids)
         return torch.ops.pcg.moe_experts_ref(h, self.w13, self.w2, weights, ids)

@@ -126,9 +126,6 @@ class DecoderLayer(nn.Module):
             gate_up, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps,
                                                                   mlp.gate_up_proj.weight)
             return mlp.down(gate_up), residual
-        if isinstance(mlp, SparseMoE) and mlp.takes_norm_route(h, self.post_attention_layernorm):
-            h, residual, weights, ids = mlp.norm_and_route(h, residual, self.post_attention_layernorm)
-            return mlp.experts(h, weights, ids), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return mlp(h), residual
 

@@ -144,16 +144,6 @@ def moe_cases(add):
             torch.rand(tokens, m.top_k).to(m.dtype), ids)
         add(f"moe_topk_softmax {m.name} T={tokens}", pdl_on, topk_softmax, empty(tokens, m.experts, dtype=m.dtype),
             m.top_k)
-    # The one-launch add + RMSNorm, router and top-k (kernels/moe_norm_route.py) at 30B-A3B: from o_proj's split-K
-    # partials (1-4 tokens, in the full decode graphs with PDL) and from a plain x (5-8 tokens).
-    from pcg_engine.kernels import moe_norm_route as mnr
-    m = preset("qwen3-30b-a3b")
-    ws = mnr.RouteWorkspace(mnr.MAX_TOKENS, m.experts, "cpu")
-    for tokens, parts, pdl_on in ((1, 4, True), (4, 4, False), (8, 0, True)):
-        x = empty(*((parts,) if parts else ()), tokens, m.hidden, dtype=torch.float32 if parts else m.dtype)
-        add(f"moe_norm_route {m.name} T={tokens} S={parts}", pdl_on, mnr.norm_route, x, empty(tokens, m.hidden, dtype=m.dtype),
-            empty(m.hidden, dtype=m.dtype), 1e-6, empty(m.experts, m.hidden, dtype=m.dtype), m.top_k,
-            mnr.FUSED[(m.experts, m.hidden)], ws)
 
 
 def argmax_cases(add):

@@ -129,38 +129,3 @@ def test_split_k_projections_give_the_same_tokens(tmp_path_factory, monkeypatch,
     monkeypatch.setattr(split_k, "SPLIT_K", {})
     bf16_plain = prefill_logits(path, "triton", True, "bfloat16", [[5, 6], [7]])
     torch.testing.assert_close(bf16_split, bf16_plain, rtol=3e-2, atol=3e-2)
-
-
-@pytest.mark.parametrize("mode", ["eager", "full_decode"])
-def test_fused_moe_route_gives_the_same_tokens(tmp_path_factory, monkeypatch, mode):
-    """kernels/moe_norm_route.py on the tiny MoE's router shape (8 experts x 64), with its o_proj
-    split four ways so that the launch sums partials at up to split_k.MAX_ROWS tokens and takes the
-    plain attention output above: steps of up to MAX_TOKENS tokens take the one launch, and the
-    greedy tokens in fp32 equal those of the three ops."""
-    from pcg_engine.kernels import moe_norm_route, split_k
-    from pcg_engine.models.moe import SparseMoE
-    path = build_tiny(tmp_path_factory.getbasetemp(), "tiny-qwen3-moe")
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 3, 9, 2, 5, 4)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    monkeypatch.setattr(split_k, "SPLIT_K", {(64, 128): 4})
-    calls = []
-    real = moe_norm_route.norm_route
-    monkeypatch.setattr(moe_norm_route, "norm_route", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
-
-    def tokens(table):
-        monkeypatch.setattr(moe_norm_route, "FUSED", table)
-        llm = LLM(str(path), device="cuda", dtype="float32", mode=mode, num_kv_blocks=128, max_num_seqs=6,
-                  max_num_batched_tokens=64)
-        taken = [m.route_block for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
-        out = [o.token_ids for o in llm.generate(prompts, params)]
-        llm.close()
-        return out, taken
-
-    plain, none = tokens({})
-    assert calls == [] and not any(none)
-    fused, taken = tokens({(8, 64): 2})
-    assert taken and all(b == 2 for b in taken)
-    assert any(len(s) == 3 for s in calls) and any(len(s) == 2 for s in calls)   # partials and plain x
-    assert max(s[-2] for s in calls) <= moe_norm_route.MAX_TOKENS
-    assert fused == plain
