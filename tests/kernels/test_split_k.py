@@ -91,9 +91,9 @@ def test_only_measured_shapes_split_and_the_switch_turns_it_off(monkeypatch):
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (2048, 4096)], ids=["8B-o", "8B-down", "30B-A3B-o"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gpu_real_shapes_bf16(n, k, rows, rel_err):
-    """At Qwen3-8B's o and down and Qwen3-30B-A3B's o shapes in bf16: the bmm's partials sum to F.linear's output within
-    bf16 rounding, and the partial norm matches the reference (the fp32 sum's order may differ from
-    torch's, so a rounding of the residual may too: a tolerance, not equality)."""
+    """At Qwen3-8B's o and down and Qwen3-30B-A3B's o shapes in bf16: the bmm's partials sum to
+    F.linear's output within bf16 rounding, and the partial norm matches the reference (the fp32 sum's
+    order may differ from torch's, so a rounding of the residual may too: a tolerance, not equality)."""
     w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t().contiguous().t()
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     parts = split_k.partials(x, w, 4)
