@@ -11,9 +11,10 @@ moves into the add + RMSNorm kernel that reads the projection's output anyway
 26.14 µs at one row, the first figure being cuBLAS's GEMM and its reduce; the bmm's kernel also
 reached 91% of down's weight-read floor.
 
-Where: the shapes measured (SPLIT_K: Qwen3-8B's o and down, Qwen3-30B-A3B's o), for at most MAX_ROWS rows, on CUDA with the kernels on, for
-the projections whose one consumer is an add + RMSNorm (SPLIT_K_PROJECTIONS: o_proj feeds the
-post-attention norm, down_proj the next layer's input norm or the final norm; models/qwen3.py).
+Where: the shapes measured (SPLIT_K: Qwen3-8B's o and down, Qwen3-30B-A3B's o), for at most
+MAX_ROWS rows, on CUDA with the kernels on, for the projections whose one consumer is an add +
+RMSNorm (SPLIT_K_PROJECTIONS: o_proj feeds the post-attention norm, down_proj the next layer's input
+norm or the final norm; models/qwen3.py).
 Never inside torch.compile's trace: a trace cannot branch on the token count (it is symbolic), and
 for a prefill step the S fp32 partials would be written and read again for nothing. So the compiled
 pieces keep F.linear, and the eager forward (eager mode, and the full decode graphs, which capture
