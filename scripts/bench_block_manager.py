@@ -4,7 +4,7 @@ N requests each fill a block (publishing, with its sha256).
 
     python scripts/bench_block_manager.py --rows 256 --reps 60 [--base-ref HEAD~1]
 
-With --base-ref, block_manager.py of that commit (with this tree's other modules) runs in the same process,
+With --base-ref, block_manager.py and bulk_publish.py of that commit (with this tree's other modules) run in the same process,
 alternated with this tree's, on identical set-ups: the comparison holds however fast the machine
 runs at the moment (docs/PERF.md, session 16: this host's CPU speed changes within seconds).
 Prints min and median microseconds per call.
@@ -30,12 +30,19 @@ from pcg_engine.engine import block_manager as this_tree  # noqa: E402
 BS = 16
 
 
-def module_at(ref: str):
-    """pcg_engine/engine/block_manager.py as it was at `ref`, as a module of its own."""
-    src = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:pcg_engine/engine/block_manager.py"],
+def source_module(ref: str, name: str):
+    """pcg_engine/engine/<name>.py as it was at `ref`, as a module of its own."""
+    src = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:pcg_engine/engine/{name}.py"],
                          capture_output=True, text=True, check=True).stdout
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"block_manager_{ref}", loader=None))
-    exec(compile(src, f"{ref}:block_manager.py", "exec"), module.__dict__)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"{name}_{ref}", loader=None))
+    exec(compile(src, f"{ref}:{name}.py", "exec"), module.__dict__)
+    return module
+
+
+def module_at(ref: str):
+    """block_manager.py as it was at `ref`, calling bulk_publish.py's publish_rows as it was there too."""
+    module = source_module(ref, "block_manager")
+    module.publish_rows = source_module(ref, "bulk_publish").publish_rows
     return module
 
 
