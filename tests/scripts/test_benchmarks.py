@@ -954,6 +954,8 @@ def test_block_manager_bench_runs_both_trees(capsys):
     bench = runpy.run_path(str(REPO / "scripts" / "bench_block_manager.py"))
     grow = bench["grow_case"](bench["this_tree"], 8)
     assert len(grow()) == 8
+    # The base side publishes with the commit's bulk_publish.py, not this tree's.
+    assert bench["module_at"]("HEAD").publish_rows.__code__.co_filename == "HEAD:bulk_publish.py"
     bench["main"](["--rows", "8", "--reps", "2", "--base-ref", "HEAD"])
     out = capsys.readouterr().out
     assert out.count("grow, evicting") == 2 and out.count("publish") == 2 and "HEAD" in out
