@@ -4,9 +4,9 @@ N requests each fill a block (publishing, with its sha256).
 
     python scripts/bench_block_manager.py --rows 256 --reps 60 [--base-ref HEAD~1]
 
-With --base-ref, block_manager.py and bulk_publish.py of that commit (with this tree's other modules) run in the same process,
-alternated with this tree's, on identical set-ups: the comparison holds however fast the machine
-runs at the moment (docs/PERF.md, session 16: this host's CPU speed changes within seconds).
+With --base-ref, block_manager.py and bulk_publish.py of that commit (with this tree's other modules)
+run in the same process, alternated with this tree's, on identical set-ups: the comparison holds
+however fast the machine runs at the moment (docs/PERF.md, session 16: this host's CPU speed changes within seconds).
 Prints min and median microseconds per call.
 """
 

@@ -30,8 +30,9 @@ Safety: only the torch ops between the skipped kernels run, on whatever the skip
 held. No torch op of the forward indexes memory with an unchecked value a Triton kernel wrote: the MoE
 expert ids come from the routing kernel (kernels/moe_route.py), and the one torch consumer of them,
 the alignment's torch path for large batches (fused_moe.moe_align_torch), clamps them first; the
-align kernels' outputs feed only the grouped GEMM kernel. So garbage stays garbage and never faults. The KV writes are Triton kernels, skipped: the pass writes
-no KV block, only the runner's static input buffers, which every real step rewrites.
+align kernels' outputs feed only the grouped GEMM kernel. So garbage stays garbage and never faults.
+The KV writes are Triton kernels, skipped: the pass writes no KV block, only the runner's static
+input buffers, which every real step rewrites.
 
 Measured (H200, Qwen3-0.6B, full_and_piecewise, docs/PERF.md session 10): cold start 40.6 -> 30.6 s,
 warm 12.3 -> 10.6 s, no late variant. The compiles' GIL-held part (Triton's Python front end) still

@@ -2,10 +2,10 @@
 
 Expert weights are stacked at load time the way the fused MoE kernel wants them: `w13` [E, 2I, D]
 (gate rows then up rows) and `w2` [E, D, I]. With kernels on, `pcg::fused_moe` runs them (two GEMV
-launches for a few tokens, one grouped GEMM per projection above) and `pcg::moe_topk_softmax` routes in
-one launch; without, torch's top-k and softmax and a per-expert PyTorch loop (the reference, and the
-unfused baseline of the benchmarks). The loop learns each expert's tokens on the host, so it is wrapped in
-a custom op: Dynamo keeps it as one opaque node instead of breaking the graph at it.
+launches for a few tokens, one grouped GEMM per projection above) and `pcg::moe_topk_softmax` routes
+in one launch; without, torch's top-k and softmax and a per-expert PyTorch loop (the reference, and
+the unfused baseline of the benchmarks). The loop learns each expert's tokens on the host, so it is
+wrapped in a custom op: Dynamo keeps it as one opaque node instead of breaking the graph at it.
 """
 
 import torch
