@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pcg_engine.kernels import moe_gemv, moe_route, pdl
+from pcg_engine.kernels import moe_gemv, pdl
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -359,25 +359,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     y = torch.empty((n * top_k, d), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, y, align, topk_weights.reshape(-1).contiguous(), top_k, False, False, cfg_down)
     return y.view(n, d) if top_k == 1 else y.view(n, top_k, d).sum(1)
-
-
-def fused_moe_routed(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     top_k: int) -> torch.Tensor:
-    """fused_moe(x, w13, w2, *moe_route.topk_softmax(logits, top_k)): the router's logits [N, E] in,
-    the MoE output out (norm_topk_prob routing, models/moe.py). On the GEMV path the up launch
-    routes (moe_gemv.fused_moe_gemv_routed), so the top-k kernel is not launched."""
-    if logits.dim() != 2 or logits.shape != (x.shape[0], w13.shape[0]) or not logits.is_floating_point():
-        raise ValueError(f"logits: expected floating-point [{x.shape[0]}, {w13.shape[0]}] (tokens, experts), "
-                         f"got {logits.dtype} {tuple(logits.shape)}")
-    if not 1 <= top_k <= w13.shape[0]:
-        raise ValueError(f"top_k: expected 1..{w13.shape[0]} (the number of experts), got {top_k}")
-    n = x.shape[0]
-    if not (moe_gemv.ROUTE_IN_UP and moe_gemv.takes_gemv(n, top_k)):
-        return fused_moe(x, w13, w2, *moe_route.topk_softmax(logits, top_k))
-    ids = torch.empty((n, top_k), dtype=torch.int64, device=x.device)     # what the up launch writes
-    _check(x, w13, w2, logits[:, :top_k], ids)    # logits stand in for the weights: dtype and device
-    x, w13, w2, logits = map(_unit_stride_inner, (x, w13, w2, logits))
-    return moe_gemv.fused_moe_gemv_routed(x, logits, w13, w2, top_k)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

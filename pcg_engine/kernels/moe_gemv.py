@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from pcg_engine.kernels import pdl, triton_interpreting
-from pcg_engine.kernels.moe_route import route_slot
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 # Routed pairs (tokens x top_k) up to which fused_moe takes this path. Measured on the H200 at
@@ -47,10 +46,6 @@ GEMV_MAX_ASSIGNMENTS = 64
 # PCG_MOE_GEMV=0: the grouped GEMM at every size (an A/B switch for benchmarks, read at import; the
 # compile cache's key covers PCG_* switches).
 ENABLED = os.environ.get("PCG_MOE_GEMV", "1") != "0"
-# The routing inside the up launch (fused_moe_gemv_routed): the top-k kernel's launch goes, each up
-# program recomputing its pair's expert from the token's logits. PCG_MOE_ROUTE_IN_UP=0 keeps the
-# top-k kernel (an A/B switch, read at import).
-ROUTE_IN_UP = os.environ.get("PCG_MOE_ROUTE_IN_UP", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -92,28 +87,16 @@ def takes_gemv(num_tokens: int, top_k: int) -> bool:
 
 
 @triton.jit
-def _moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, logits_ptr, scale_ptr, N, K, top_k, E, stride_xm, stride_we,
-                        stride_wn, stride_am, stride_l, EVEN_K: tl.constexpr, ROUTE: tl.constexpr,
-                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """act[a, cols] = silu(x[t] @ W[e, cols].T) * (x[t] @ W[e, N + cols].T), t = a // top_k, e = ids[a].
-    ROUTE: e comes from the router's logits [T, E] instead (moe_route.route_slot: the top-k and its
-    softmax, recomputed by every program of the pair), and the pair's first program writes ids[a]
-    and scale[a] (the weight, rounded to scale's dtype) for the down launch."""
+def _moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, top_k, stride_xm, stride_we, stride_wn, stride_am,
+                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """act[a, cols] = silu(x[t] @ W[e, cols].T) * (x[t] @ W[e, N + cols].T), t = a // top_k, e = ids[a]."""
     if PDL:  # kernels/pdl.py: the expert comes from the router, x from the norm: nothing before the wait
         gdc_wait()
         gdc_launch_dependents()
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + a).to(tl.int64)
     token = a // top_k
-    if ROUTE:
-        expert, weight = route_slot(logits_ptr, token, a % top_k, E, stride_l, TOP_K, K_PAD, E_PAD)
-        if pid_n == 0:
-            tl.store(ids_ptr + a, expert.to(tl.int64))
-            tl.store(scale_ptr + a, weight.to(scale_ptr.dtype.element_ty))
-        expert = expert.to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + a).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # Wrapping the weight rows keeps every weight load in bounds without a row mask; the store masks.
@@ -192,31 +175,14 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return launch_down(act, w2, ids, topk_weights.reshape(-1).contiguous(), top_k, down)
 
 
-def fused_moe_gemv_routed(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                         configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
-    """fused_moe_gemv after moe_route.topk_softmax(logits, top_k), with the routing done by the up
-    launch's programs: one launch fewer a MoE layer (fused_moe.fused_moe_routed checks the inputs)."""
-    n = x.shape[0]
+def launch_up(x, w13, ids, top_k: int, cfg: GemvConfig) -> torch.Tensor:
+    """The up launch alone (the kernel benchmark times each): act [N*k, I] for flat ids [N*k]."""
     _, two_i, d = w13.shape
-    up, down = configs or gemv_configs(two_i // 2, d)
-    ids = torch.empty(n * top_k, dtype=torch.int64, device=x.device)
-    scales = torch.empty(n * top_k, dtype=logits.dtype, device=x.device)
-    act = launch_up(x, w13, ids, top_k, up, routing=(logits, scales))
-    return launch_down(act, w2, ids, scales, top_k, down)
-
-
-def launch_up(x, w13, ids, top_k: int, cfg: GemvConfig, routing=None) -> torch.Tensor:
-    """The up launch alone (the kernel benchmark times each): act [N*k, I] for flat ids [N*k].
-    routing: (logits [N, E], scales [N*k]): the launch routes and writes ids and scales."""
-    e, two_i, d = w13.shape
     inter = two_i // 2
     act = torch.empty((ids.numel(), inter), dtype=x.dtype, device=x.device)
-    logits, scales = routing if routing is not None else (x, x)
     _moe_gemv_up_kernel[(ids.numel(), triton.cdiv(inter, cfg.block_n))](
-        x, w13, ids, act, logits, scales, inter, d, top_k, e, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), logits.stride(0), EVEN_K=d % cfg.block_k == 0, ROUTE=routing is not None,
-        TOP_K=top_k if routing is not None else 1, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(e), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, w13, ids, act, inter, d, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        EVEN_K=d % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return act
 

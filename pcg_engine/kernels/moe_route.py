@@ -54,42 +54,6 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.cons
     tl.store(ids_ptr + t * TOP_K + slots, ids, mask=ok)
 
 
-# Experts a program compares against at once in route_slot: a [E_PAD, RANK_CHUNK] block of
-# comparisons (32 a thread at 4 warps and 128 experts), so the rank costs few registers.
-RANK_CHUNK = tl.constexpr(32)
-
-
-@triton.jit
-def route_slot(logits_ptr, t, slot, E, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """(expert, weight in fp32) of token t's routing slot `slot`: what _topk_softmax_kernel writes
-    at [t, slot], for a program that needs one slot and cannot wait for that kernel (the MoE
-    GEMV's up launch, kernels/moe_gemv.py). Instead of k rounds of max (each a reduction across
-    the program's warps), each expert's place in the selection order is counted at once: the
-    experts ahead of it have a larger key, or an equal key and a lower index, which is the order
-    in which the k rounds take them. The slot values, softmax and rounding are then the kernel's."""
-    t = t.to(tl.int64)
-    experts = tl.arange(0, E_PAD)
-    real = experts < E
-    x = tl.load(logits_ptr + t * stride_l + experts, mask=real, other=0.0).to(tl.float32)
-    key = tl.where(x != x, float("inf"), x)
-    rank = tl.zeros((E_PAD,), tl.int32)
-    for c in tl.static_range(0, E_PAD, RANK_CHUNK):
-        others = c + tl.arange(0, RANK_CHUNK)
-        xo = tl.load(logits_ptr + t * stride_l + others, mask=others < E, other=0.0).to(tl.float32)
-        ko = tl.where(xo != xo, float("inf"), xo)[None, :]
-        ahead = (ko > key[:, None]) | ((ko == key[:, None]) & (others[None, :] < experts[:, None]))
-        rank += tl.sum((ahead & (others < E)[None, :]).to(tl.int32), axis=1)
-    rank = tl.where(real, rank, E_PAD)
-    slots = tl.arange(0, K_PAD)
-    at = rank[None, :] == slots[:, None]                          # [K_PAD, E_PAD]: slot j's expert
-    top = tl.sum(tl.where(at, x[None, :], 0.0), axis=1)
-    top = tl.where(slots < TOP_K, top, float("-inf"))
-    p = tl.exp(top - tl.max(top, axis=0))
-    w = p / tl.sum(p, axis=0)
-    expert = tl.sum(tl.where(rank == slot, experts, 0), axis=0)
-    return expert, tl.sum(tl.where(slots == slot, w, 0.0), axis=0)
-
-
 def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, top_k] in logits' dtype, ids [T, top_k] int64), largest first."""
     if logits.dim() != 2 or not logits.is_floating_point():

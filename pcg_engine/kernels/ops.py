@@ -13,8 +13,6 @@ All ops are functional: they return new contiguous tensors and mutate nothing.
   torch.ops.pcg.silu_and_mul(x) -> out
   torch.ops.pcg.fused_moe(x, w13, w2, topk_weights, topk_ids) -> out
   torch.ops.pcg.moe_topk_softmax(logits, top_k) -> (weights, ids)   (the router's top-k and softmax)
-  torch.ops.pcg.fused_moe_routed(x, logits, w13, w2, top_k) -> out   (the two above in one op; for a
-      few tokens the routing runs inside the experts' up launch)
   torch.ops.pcg.linear(x, weight) -> x @ weight.T (skinny GEMM kernel for few rows, else F.linear)
   torch.ops.pcg.add_rms_norm_linear(x, residual, norm_weight, eps, weight) -> (normed @ weight.T, x + residual)
       (the add + RMSNorm folded into the next projection: one skinny launch for few rows)
@@ -50,12 +48,6 @@ def silu_and_mul(x):
         fake=lambda x, w13, w2, topk_weights, topk_ids: x.new_empty((x.shape[0], w2.shape[1])))
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     return moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
-
-
-@pcg_op("fused_moe_routed(Tensor x, Tensor logits, Tensor w13, Tensor w2, int top_k) -> Tensor",
-        fake=lambda x, logits, w13, w2, top_k: x.new_empty((x.shape[0], w2.shape[1])))
-def fused_moe_routed(x, logits, w13, w2, top_k):
-    return moe.fused_moe_routed(x, logits, w13, w2, top_k)
 
 
 @pcg_op("moe_topk_softmax(Tensor logits, int top_k) -> (Tensor, Tensor)",

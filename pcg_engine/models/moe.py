@@ -1,11 +1,10 @@
 """Qwen3-MoE's sparse block: a softmax router picks top-k experts per token, weights normalised.
 
 Expert weights are stacked at load time the way the fused MoE kernel wants them: `w13` [E, 2I, D]
-(gate rows then up rows) and `w2` [E, D, I]. With kernels on, `pcg::fused_moe_routed` routes and runs
-them from the router's logits: for a few tokens two GEMV launches, the first of which also routes;
-above, `moe_topk_softmax`'s one routing launch and one grouped GEMM per projection. Without kernels,
-torch's top-k and softmax and a per-expert PyTorch loop (the reference, and the unfused baseline of
-the benchmarks). The loop learns each expert's tokens on the host, so it is
+(gate rows then up rows) and `w2` [E, D, I]. With kernels on, `pcg::fused_moe` runs them (two GEMV
+launches for a few tokens, one grouped GEMM per projection above) and `pcg::moe_topk_softmax` routes
+in one launch; without, torch's top-k and softmax and a per-expert PyTorch loop (the reference, and
+the unfused baseline of the benchmarks). The loop learns each expert's tokens on the host, so it is
 wrapped in a custom op: Dynamo keeps it as one opaque node instead of breaking the graph at it.
 """
 
@@ -56,10 +55,6 @@ class SparseMoE(nn.Module):
         return weights.to(h.dtype), ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels and self.norm_topk_prob:
-            # route's top-k and fused_moe in one op: for a few tokens the experts' up launch routes
-            # (kernels/moe_gemv.py), one launch fewer a layer.
-            return _kernel_ops().fused_moe_routed(h, self.gate(h), self.w13, self.w2, self.top_k)
         weights, ids = self.route(h)
         if self.use_kernels:
             return _kernel_ops().fused_moe(h, self.w13, self.w2, weights, ids)

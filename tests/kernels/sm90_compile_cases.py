@@ -130,8 +130,8 @@ def moe_cases(add):
     """fused_moe at token counts that reach each row of its tuning table, with the alignment's
     one-chunk, histogram and torch-fallback paths, and the few-token GEMV path (1 and 4 tokens of
     30B-A3B, 3 of the tiny MoE), bf16 (30B-A3B) and fp32 (the tiny MoE); the router's top-k + softmax
-    beside each, and the op the model calls, fused_moe_routed (whose GEMV path routes in its up launch)."""
-    from pcg_engine.kernels.fused_moe import fused_moe, fused_moe_routed
+    beside each."""
+    from pcg_engine.kernels.fused_moe import fused_moe
     from pcg_engine.kernels.moe_route import topk_softmax
     for m, tokens, pdl_on in ((preset("qwen3-30b-a3b"), 1, True), (preset("qwen3-30b-a3b"), 4, False),
                               (preset("qwen3-30b-a3b"), 64, True), (preset("qwen3-30b-a3b"), 1024, True),
@@ -144,8 +144,6 @@ def moe_cases(add):
             torch.rand(tokens, m.top_k).to(m.dtype), ids)
         add(f"moe_topk_softmax {m.name} T={tokens}", pdl_on, topk_softmax, empty(tokens, m.experts, dtype=m.dtype),
             m.top_k)
-        add(f"fused_moe_routed {m.name} T={tokens}", pdl_on, fused_moe_routed, empty(tokens, m.hidden, dtype=m.dtype),
-            empty(tokens, m.experts, dtype=m.dtype), w13, w2, m.top_k)
 
 
 def argmax_cases(add):
