@@ -46,6 +46,10 @@ GEMV_MAX_ASSIGNMENTS = 64
 # PCG_MOE_GEMV=0: the grouped GEMM at every size (an A/B switch for benchmarks, read at import; the
 # compile cache's key covers PCG_* switches).
 ENABLED = os.environ.get("PCG_MOE_GEMV", "1") != "0"
+# With PDL, the k-slices of expert rows the down launch loads before gdc_wait (0-2; see its kernel):
+# its weight stream then overlaps the up launch's tail. PCG_MOE_DOWN_PRELOAD is the A/B switch
+# (read at import).
+DOWN_PRELOAD = max(0, min(2, int(os.environ.get("PCG_MOE_DOWN_PRELOAD", "2"))))
 
 
 @dataclass(frozen=True)
@@ -127,11 +131,15 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, top_k, stride_xm, 
 @triton.jit
 def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, scale_ptr, y_ptr, N, K, top_k, stride_am, stride_we, stride_wn,
                           stride_ym, EVEN_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """y[t, cols] = sum over slots s of scale[t*k + s] * (act[t*k + s] @ W[ids[t*k + s], cols].T)."""
-    if PDL:  # the act rows come from the up launch, the ids and weights from the router
-        gdc_wait()
-        gdc_launch_dependents()
+                          BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+    """y[t, cols] = sum over slots s of scale[t*k + s] * (act[t*k + s] @ W[ids[t*k + s], cols].T).
+
+    With PDL the ids and weights (the routing's, two launches back) and the first PRELOAD k-slices
+    of the experts' rows load before gdc_wait; only the act rows (the up launch's) wait. This keeps
+    kernels/pdl.py's rule, transitively: this grid is launched only once every program of the up
+    launch has signalled, and each signals after its own gdc_wait, which returns once the routing
+    kernel has completed and its writes are visible (at L2: the loads are .cg, past L1)."""
+    tl.static_assert(PDL or PRELOAD == 0, "PRELOAD needs PDL: the k loop starts after the preloaded slices")
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,19 +151,35 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, scale_ptr, y_ptr, N, K, top_k
     slots = tl.arange(0, TOP_K_PAD)
     slot_ok = slots < top_k
     assignment = t * top_k + slots
-    experts = tl.load(ids_ptr + assignment, mask=slot_ok, other=0).to(tl.int64)
-    scales = tl.load(scale_ptr + assignment, mask=slot_ok, other=0.0).to(tl.float32)
+    experts = tl.load(ids_ptr + assignment, mask=slot_ok, other=0, cache_modifier=".cg").to(tl.int64)
+    scales = tl.load(scale_ptr + assignment, mask=slot_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     a_ptrs = act_ptr + assignment[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + experts[:, None, None] * stride_we + wn[None, :, None] * stride_wn + rk[None, None, :]
+    w_ok = slot_ok[:, None, None]
+    if PRELOAD >= 1:   # the launcher passes PRELOAD only for EVEN_K and at most K's slices
+        w0 = tl.load(w_ptrs, mask=w_ok, other=0.0)
+    if PRELOAD >= 2:
+        w1 = tl.load(w_ptrs + BLOCK_K, mask=w_ok, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     acc = tl.zeros((TOP_K_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    if PRELOAD >= 1:
+        acc += tl.sum(w0.to(tl.float32) * tl.load(a_ptrs, mask=slot_ok[:, None], other=0.0).to(tl.float32)[:, None, :],
+                      axis=2)
+    if PRELOAD >= 2:
+        acc += tl.sum(w1.to(tl.float32) * tl.load(a_ptrs + BLOCK_K, mask=slot_ok[:, None],
+                                                  other=0.0).to(tl.float32)[:, None, :], axis=2)
+    a_ptrs += PRELOAD * BLOCK_K
+    w_ptrs += PRELOAD * BLOCK_K
+    for k0 in range(PRELOAD, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x = tl.load(a_ptrs, mask=slot_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=slot_ok[:, None, None], other=0.0)
+            w = tl.load(w_ptrs, mask=w_ok, other=0.0)
         else:
             k_ok = rk < K - k0 * BLOCK_K
             x = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=slot_ok[:, None, None] & k_ok[None, None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -170,9 +194,11 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     n, top_k = topk_ids.shape
     _, two_i, d = w13.shape
     up, down = configs or gemv_configs(two_i // 2, d)
-    ids = topk_ids.reshape(-1).contiguous()
+    # Both made contiguous before the up launch: a copy kernel between the two launches would end
+    # the chain that lets the down launch read them before its gdc_wait (its kernel says why).
+    ids, scales = topk_ids.reshape(-1).contiguous(), topk_weights.reshape(-1).contiguous()
     act = launch_up(x, w13, ids, top_k, up)
-    return launch_down(act, w2, ids, topk_weights.reshape(-1).contiguous(), top_k, down)
+    return launch_down(act, w2, ids, scales, top_k, down)
 
 
 def launch_up(x, w13, ids, top_k: int, cfg: GemvConfig) -> torch.Tensor:
@@ -192,8 +218,11 @@ def launch_down(act, w2, ids, scales, top_k: int, cfg: GemvConfig) -> torch.Tens
     _, d, inter = w2.shape
     n = ids.numel() // top_k
     y = torch.empty((n, d), dtype=act.dtype, device=act.device)
+    pdl_kwargs = pdl.launch_kwargs(act.device)
+    even_k = inter % cfg.block_k == 0
+    preload = min(DOWN_PRELOAD, inter // cfg.block_k) if pdl_kwargs["PDL"] and even_k else 0
     _moe_gemv_down_kernel[(n, triton.cdiv(d, cfg.block_n))](
         act, w2, ids, scales, y, d, inter, top_k, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        EVEN_K=inter % cfg.block_k == 0, TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(act.device))
+        EVEN_K=even_k, TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRELOAD=preload, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs)
     return y
