@@ -47,9 +47,11 @@ GEMV_MAX_ASSIGNMENTS = 64
 # compile cache's key covers PCG_* switches).
 ENABLED = os.environ.get("PCG_MOE_GEMV", "1") != "0"
 # With PDL, the k-slices of expert rows the down launch loads before gdc_wait (0-2; see its kernel):
-# its weight stream then overlaps the up launch's tail. PCG_MOE_DOWN_PRELOAD is the A/B switch
-# (read at import).
-DOWN_PRELOAD = max(0, min(2, int(os.environ.get("PCG_MOE_DOWN_PRELOAD", "2"))))
+# its weight stream then overlaps the up launch's tail. Qwen3-30B-A3B's first 8 layers, P1
+# full_decode on the H200 (docs/PERF.md, session 36, call 2), ms a token, alternated twice:
+# 0 slices 0.574 / 0.571, one 0.569 / 0.568, two 0.574 / 0.577 (86 registers against 72: fewer
+# programs resident). PCG_MOE_DOWN_PRELOAD is the A/B switch (read at import).
+DOWN_PRELOAD = max(0, min(2, int(os.environ.get("PCG_MOE_DOWN_PRELOAD", "1"))))
 
 
 @dataclass(frozen=True)
