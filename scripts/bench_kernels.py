@@ -156,26 +156,14 @@ def moe_rows(sweep: bool = False):
 
 
 def moe_route_rows(experts, top_k):
-    """The router's top-k + softmax in one launch (kernels/moe_route.py) against torch's three kernels,
-    with each of the kernel's selections (RANK_WARPS: k rounds of max in one warp, or the ranks
-    counted at once by one or four warps)."""
-    from pcg_engine.kernels import moe_route
+    """The router's top-k + softmax in one launch (kernels/moe_route.py) against torch's three kernels."""
     from pcg_engine.kernels.moe_route import topk_softmax, topk_softmax_ref
     rows = []
-    default = moe_route.RANK_WARPS
     for tokens in (1, 16, 256):
         logits = torch.randn(tokens, experts, device="cuda", dtype=DTYPE)
-        ref = time_us(lambda: topk_softmax_ref(logits, top_k))
-        for warps in (default, *sorted({0, 1, 4} - {default})):
-            moe_route.RANK_WARPS = warps
-            try:
-                us = time_us(lambda: topk_softmax(logits, top_k))
-            finally:
-                moe_route.RANK_WARPS = default
-            how = "rounds" if warps == 0 else f"rank, {warps} warp{'s' if warps > 1 else ''}"
-            rows.append(row("moe_topk_softmax" if warps == default else f"moe_topk_softmax ({how})",
-                            f"{tokens} tok, E{experts} k{top_k}", us, None, "",
-                            f"{how}; torch top-k + softmax + cast {ref:.1f} us ({ref / us:.2f}x)"))
+        us, ref = time_us(lambda: topk_softmax(logits, top_k)), time_us(lambda: topk_softmax_ref(logits, top_k))
+        rows.append(row("moe_topk_softmax", f"{tokens} tok, E{experts} k{top_k}", us, None, "",
+                        f"torch top-k + softmax + cast {ref:.1f} us ({ref / us:.2f}x)"))
     return rows
 
 
@@ -458,7 +446,7 @@ def print_table(rows, title):
 
 # --only's sections: the default set, then those that run only when named.
 DEFAULT_SECTIONS = ("norm", "activation", "moe", "attention", "graph_split")
-SECTIONS = DEFAULT_SECTIONS + ("argmax", "rope_attention", "moe_route")
+SECTIONS = DEFAULT_SECTIONS + ("argmax", "rope_attention")
 
 
 def main(argv=None, prog=None):
@@ -491,7 +479,6 @@ def main(argv=None, prog=None):
         return 0
     gpu = torch.cuda.get_device_name()
     sections = dict(norm=norm_rows, activation=activation_rows, moe=lambda: moe_rows(args.moe_sweep),
-                    moe_route=lambda: moe_route_rows(128, 8),
                     attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows,
                     argmax=argmax_rows_section, rope_attention=rope_attention_section)
     rows = []
