@@ -15,8 +15,6 @@ torch does, and makes the token's weights NaN; -inf logits are taken last, each 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -25,18 +23,9 @@ from pcg_engine.kernels import pdl
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
-# RANK_WARPS > 0: each expert's place in the top-k order counted at once, by a program of that many
-# warps, instead of k rounds of max in one warp (each round a chain of reductions). 0 keeps the
-# rounds. PCG_MOE_TOPK_RANK sets it (an A/B switch, read at import).
-# RANK_CHUNK: experts compared at a time, a [E_PAD, RANK_CHUNK] block (128 a thread at 128 experts
-# and one warp).
-RANK_WARPS = max(0, int(os.environ.get("PCG_MOE_TOPK_RANK", "1")))
-RANK_CHUNK = tl.constexpr(32)
-
-
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                         E_PAD: tl.constexpr, RANK: tl.constexpr, PDL: tl.constexpr):
+                         E_PAD: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py: the logits come from the router's projection
         gdc_wait()
         gdc_launch_dependents()
@@ -47,31 +36,16 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.cons
     # padding lanes) are masked out, not overwritten with -inf, so genuine -inf logits still give
     # k distinct experts.
     key = tl.where(x != x, float("inf"), x)
+    taken = experts >= E
     slots = tl.arange(0, K_PAD)
-    if RANK:
-        # Each expert's place in the selection order at once: the experts ahead of it have a larger
-        # key, or an equal key and a lower index, the order in which the rounds below take them.
-        # RANK_CHUNK experts are compared at a time (a [E_PAD, RANK_CHUNK] block); no serial rounds.
-        rank = tl.zeros((E_PAD,), tl.int32)
-        for c in tl.static_range(0, E_PAD, RANK_CHUNK):
-            others = c + tl.arange(0, RANK_CHUNK)
-            xo = tl.load(logits_ptr + t * stride_l + others, mask=others < E, other=0.0).to(tl.float32)
-            ko = tl.where(xo != xo, float("inf"), xo)[None, :]
-            ahead = (ko > key[:, None]) | ((ko == key[:, None]) & (others[None, :] < experts[:, None]))
-            rank += tl.sum((ahead & (others < E)[None, :]).to(tl.int32), axis=1)
-        at = (rank[None, :] == slots[:, None]) & (experts < E)[None, :]      # [K_PAD, E_PAD]: slot j's expert
-        top = tl.where(slots < TOP_K, tl.sum(tl.where(at, x[None, :], 0.0), axis=1), float("-inf"))
-        ids = tl.sum(tl.where(at, experts[None, :], 0), axis=1).to(tl.int64)
-    else:
-        taken = experts >= E
-        top = tl.full((K_PAD,), float("-inf"), tl.float32)
-        ids = tl.zeros((K_PAD,), tl.int64)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(tl.where(taken, float("-inf"), key), axis=0)
-            pick = tl.min(tl.where(~taken & (key == best), experts, E_PAD), axis=0)
-            top = tl.where(slots == j, tl.sum(tl.where(experts == pick, x, 0.0), axis=0), top)
-            ids = tl.where(slots == j, pick, ids)
-            taken = taken | (experts == pick)
+    top = tl.full((K_PAD,), float("-inf"), tl.float32)
+    ids = tl.zeros((K_PAD,), tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.where(taken, float("-inf"), key), axis=0)
+        pick = tl.min(tl.where(~taken & (key == best), experts, E_PAD), axis=0)
+        top = tl.where(slots == j, tl.sum(tl.where(experts == pick, x, 0.0), axis=0), top)
+        ids = tl.where(slots == j, pick, ids)
+        taken = taken | (experts == pick)
     # top[0] is the largest: exp(top - top[0]) <= 1, and the padding slots give exp(-inf) = 0.
     p = tl.exp(top - tl.max(top, axis=0))
     w = p / tl.sum(p, axis=0)
@@ -96,8 +70,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
         logits = logits.contiguous()
     _topk_softmax_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
                                K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
-                               RANK=RANK_WARPS > 0, num_warps=RANK_WARPS or (1 if e <= 256 else 4),
-                               **pdl.launch_kwargs(logits.device))
+                               num_warps=1 if e <= 256 else 4, **pdl.launch_kwargs(logits.device))
     return weights, ids
 
 

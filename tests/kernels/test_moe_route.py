@@ -3,15 +3,7 @@
 import pytest
 import torch
 
-from pcg_engine.kernels import moe_route
 from pcg_engine.kernels.moe_route import topk_softmax, topk_softmax_ref
-
-
-@pytest.fixture(autouse=True, params=[1, 4, 0], ids=["rank", "rank4", "rounds"])
-def selection(request, monkeypatch):
-    """Every test with each selection of the kernel: each expert's rank at once (one warp, four), and k
-    rounds of max."""
-    monkeypatch.setattr(moe_route, "RANK_WARPS", request.param)
 
 
 def check(logits, top_k):
