@@ -32,7 +32,7 @@ import triton.language as tl
 from pcg_engine.kernels import pdl
 from pcg_engine.kernels.activation import silu_and_mul
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
-from pcg_engine.kernels.norm import add_rms_norm, add_rms_norm_partials
+from pcg_engine.kernels.norm import add_rms_norm
 
 MAX_M = 16   # more rows than this and the projection is no longer weight-bound enough to matter
 # With PDL, a program loads the first k-slices of its weight rows before gdc_wait, so that much of
@@ -59,39 +59,23 @@ def preload_slices(block_n: int, block_k: int, k: int, num_warps: int) -> int:
 
 
 @triton.jit
-def _load_x(x_ptrs, mask, stride_xs, NUM_PARTIALS: tl.constexpr, dtype: tl.constexpr):
-    """x's tile; with NUM_PARTIALS > 0, the sum of a projection's fp32 split-K partials (kernels/split_k.py,
-    stride_xs apart), rounded to dtype as the projection's output would be (kernels/norm.py's order)."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if NUM_PARTIALS > 0:
-        for s in tl.static_range(1, NUM_PARTIALS):
-            x += tl.load(x_ptrs + s * stride_xs, mask=mask, other=0.0)
-        x = x.to(dtype)
-    return x
-
-
-@triton.jit
-def _k_slice(acc, w, x_ptr, res_ptr, nw_ptr, h_ptr, rm, rk, m_ok, k0, K, stride_xm, stride_xs, stride_rm, stride_hm,
-             rstd, store_h, GATED: tl.constexpr, NORM: tl.constexpr, NUM_PARTIALS: tl.constexpr, H_OUT: tl.constexpr,
-             USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += (the prologue of x's k-slice k0) @ w.T, w being that slice of the weight rows. H_OUT: where
-    store_h (program 0), the slice's normed input is stored at h_ptr too."""
-    dtype = res_ptr.dtype.element_ty if NORM else x_ptr.dtype.element_ty
+def _k_slice(acc, w, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, k0, K, stride_xm, stride_rm, rstd,
+             GATED: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+             PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += (the prologue of x's k-slice k0) @ w.T, w being that slice of the weight rows."""
+    dtype = x_ptr.dtype.element_ty
     kk = k0 * BLOCK_K + rk
     if EVEN_K:
         x_ok = m_ok[:, None]
     else:
         x_ok = m_ok[:, None] & (kk < K)[None, :]
     x_ptrs = x_ptr + rm[:, None] * stride_xm + kk[None, :]
-    x = _load_x(x_ptrs, x_ok, stride_xs, NUM_PARTIALS, dtype)
+    x = tl.load(x_ptrs, mask=x_ok, other=0.0)
     if NORM:
         r = tl.load(res_ptr + rm[:, None] * stride_rm + kk[None, :], mask=x_ok, other=0.0)
         xs = (x.to(tl.float32) + r.to(tl.float32)).to(dtype).to(tl.float32)
         nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
         x = (nw * (xs * rstd).to(dtype).to(tl.float32)).to(dtype)
-        if H_OUT:
-            if store_h:
-                tl.store(h_ptr + rm[:, None] * stride_hm + kk[None, :], x, mask=x_ok)
     if GATED:
         gate = x.to(tl.float32)
         up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
@@ -105,10 +89,10 @@ def _k_slice(acc, w, x_ptr, res_ptr, nw_ptr, h_ptr, rm, rk, m_ok, k0, K, stride_
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, M, N, K,
-                        stride_xm, stride_xs, stride_wn, stride_ym, stride_rm, stride_rom, stride_hm, eps,
-                        GATED: tl.constexpr, NORM: tl.constexpr, NUM_PARTIALS: tl.constexpr, H_OUT: tl.constexpr,
-                        USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K,
+                        stride_xm, stride_wn, stride_ym, stride_rm, stride_rom, eps,
+                        GATED: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr,
+                        EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRELOAD: tl.constexpr, PDL: tl.constexpr):
     # GATED: x rows are [gate | up] (2K wide) and the GEMM's input is silu(gate) * up, computed
@@ -117,20 +101,15 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr
     # NORM: the input is rmsnorm(x + residual) * nw, rounded as kernels/norm.py's kernel does; a
     # first pass over the (few, L2-resident) rows finds each row's scale, and program 0 also
     # stores the new residual x + residual. The decoder layer's add + RMSNorm then costs no launch.
-    # NUM_PARTIALS > 0 (with NORM): x is the projection before's split-K partials [S, M, K] in fp32,
-    # summed and rounded as kernels/norm.py's add_rms_norm_partials does. H_OUT (with NORM): program 0
-    # also stores the normed input at h_ptr, for a consumer besides this projection (the MoE experts
-    # beside their router).
     # PRELOAD (with PDL only, 0..4): the first PRELOAD k-slices of the program's weight rows are
     # loaded before gdc_wait, so that much of the weight stream overlaps the kernel before.
     tl.static_assert(PDL or PRELOAD == 0, "PRELOAD needs PDL: the k loop starts after the preloaded slices")
-    tl.static_assert(NORM or (NUM_PARTIALS == 0 and not H_OUT), "partials and h_out come with the norm prologue")
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
-    dtype = res_ptr.dtype.element_ty if NORM else x_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     # Wrapping the weight rows keeps every weight load in bounds without a mask; the store masks.
     wn = (rn % N).to(tl.int64)
     w_ptrs = w_ptr + wn[:, None] * stride_wn + rk[None, :]
@@ -151,8 +130,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr
         for k0 in range(0, tl.cdiv(K, BLOCK_K)):
             kk = k0 * BLOCK_K + rk
             ok = m_ok[:, None] & (kk < K)[None, :]
-            xs = _load_x(x_ptr + rm[:, None] * stride_xm + kk[None, :], ok, stride_xs, NUM_PARTIALS,
-                         dtype).to(tl.float32)
+            xs = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0).to(tl.float32)
             rs = tl.load(res_ptr + rm[:, None] * stride_rm + kk[None, :], mask=ok, other=0.0).to(tl.float32)
             xs = (xs + rs).to(dtype)
             if pid == 0:
@@ -163,29 +141,24 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PDL:  # the preloaded slices first (four slots: Triton has no array of register tiles)
         if PRELOAD >= 1:
-            acc = _k_slice(acc, w0, x_ptr, res_ptr, nw_ptr, h_ptr, rm, rk, m_ok, 0, K, stride_xm, stride_xs,
-                           stride_rm, stride_hm, rstd, pid == 0, GATED, NORM, NUM_PARTIALS, H_OUT, USE_DOT, EVEN_K,
-                           PRECISION, BLOCK_K)
+            acc = _k_slice(acc, w0, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 0, K, stride_xm, stride_rm, rstd,
+                           GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
         if PRELOAD >= 2:
-            acc = _k_slice(acc, w1, x_ptr, res_ptr, nw_ptr, h_ptr, rm, rk, m_ok, 1, K, stride_xm, stride_xs,
-                           stride_rm, stride_hm, rstd, pid == 0, GATED, NORM, NUM_PARTIALS, H_OUT, USE_DOT, EVEN_K,
-                           PRECISION, BLOCK_K)
+            acc = _k_slice(acc, w1, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 1, K, stride_xm, stride_rm, rstd,
+                           GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
         if PRELOAD >= 3:
-            acc = _k_slice(acc, w2, x_ptr, res_ptr, nw_ptr, h_ptr, rm, rk, m_ok, 2, K, stride_xm, stride_xs,
-                           stride_rm, stride_hm, rstd, pid == 0, GATED, NORM, NUM_PARTIALS, H_OUT, USE_DOT, EVEN_K,
-                           PRECISION, BLOCK_K)
+            acc = _k_slice(acc, w2, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 2, K, stride_xm, stride_rm, rstd,
+                           GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
         if PRELOAD >= 4:
-            acc = _k_slice(acc, w3, x_ptr, res_ptr, nw_ptr, h_ptr, rm, rk, m_ok, 3, K, stride_xm, stride_xs,
-                           stride_rm, stride_hm, rstd, pid == 0, GATED, NORM, NUM_PARTIALS, H_OUT, USE_DOT, EVEN_K,
-                           PRECISION, BLOCK_K)
+            acc = _k_slice(acc, w3, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, 3, K, stride_xm, stride_rm, rstd,
+                           GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
     for k0 in range(PRELOAD, tl.cdiv(K, BLOCK_K)):   # the launcher passes PRELOAD 0 without PDL
         if EVEN_K:
             w = tl.load(w_ptrs + k0 * BLOCK_K)
         else:
             w = tl.load(w_ptrs + k0 * BLOCK_K, mask=(k0 * BLOCK_K + rk < K)[None, :], other=0.0)
-        acc = _k_slice(acc, w, x_ptr, res_ptr, nw_ptr, h_ptr, rm, rk, m_ok, k0, K, stride_xm, stride_xs,
-                           stride_rm, stride_hm, rstd, pid == 0, GATED, NORM, NUM_PARTIALS, H_OUT, USE_DOT, EVEN_K,
-                           PRECISION, BLOCK_K)
+        acc = _k_slice(acc, w, x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, k0, K, stride_xm, stride_rm, rstd,
+                       GATED, NORM, USE_DOT, EVEN_K, PRECISION, BLOCK_K)
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
 
@@ -263,46 +236,31 @@ def tuned_config(m: int, n: int, k: int) -> SkinnyConfig | None:
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: bool = False,
-                out: torch.Tensor | None = None, norm: tuple | None = None,
-                h_out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_M, rows may be strided), w [N, K] contiguous -> y [M, N] in x.dtype.
 
     gated: x is [M, 2K] = [gate | up] and y = (silu(gate) * up) @ w.T (the MLP's down projection
     with the SiLU-and-mul folded in).
     norm: (residual [M, K], norm_weight [K], eps, residual_out [M, K]): y = rmsnorm(x + residual) *
     norm_weight @ w.T, and residual_out receives x + residual (the decoder layer's fused add + norm
-    folded into the projection after it). With norm, x may be split-K partials [S, M, K] in fp32
-    (kernels/split_k.py) standing for their sum rounded to residual's dtype, as
-    norm.add_rms_norm_partials takes them; y is then in residual's dtype. h_out [M, K] (with norm)
-    receives the normed input too."""
-    partials = norm is not None and x.dim() == 3
-    rows = x[0] if partials else x
-    M, K = rows.shape[0], rows.shape[1] // 2 if gated else rows.shape[1]
+    folded into the projection after it)."""
+    M, K = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     N = w.shape[0]
-    if x.dim() != (3 if partials else 2) or M > MAX_M or w.shape[1] != K or (gated and rows.shape[1] != 2 * K):
+    if M > MAX_M or w.shape[1] != K or (gated and x.shape[1] != 2 * K):
         raise ValueError(f"skinny_gemm: x {tuple(x.shape)} and w {tuple(w.shape)}: expected x [M <= {MAX_M}, "
-                         f"{'2K' if gated else 'K'}] (or [S, M, K] partials with norm) and w [N, K]")
+                         f"{'2K' if gated else 'K'}] and w [N, K]")
     if gated and norm is not None:
         raise ValueError("skinny_gemm: gated and norm do not combine")
-    if h_out is not None and norm is None:
-        raise ValueError("skinny_gemm: h_out comes with norm")
-    if partials and (x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != K):
-        x = x.float().contiguous()
-    elif not partials and x.stride(1) != 1:
+    if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
     if norm is not None:
         residual, norm_weight, eps, residual_out = norm
-        shape = rows.shape
-        if residual.shape != shape or residual_out.shape != shape or norm_weight.shape != (K,) \
-                or (h_out is not None and h_out.shape != shape):
+        if residual.shape != x.shape or residual_out.shape != x.shape or norm_weight.shape != (K,):
             raise ValueError(f"skinny_gemm norm: residual {tuple(residual.shape)}, residual_out "
-                             f"{tuple(residual_out.shape)}, h_out {None if h_out is None else tuple(h_out.shape)} "
-                             f"and norm weight {tuple(norm_weight.shape)} must match x {tuple(shape)}")
-        if h_out is not None and (h_out.stride(1) != 1 or h_out.device != x.device or h_out.dtype != residual.dtype):
-            raise ValueError(f"skinny_gemm norm: h_out must be {residual.dtype} on {x.device} with unit-stride "
-                             f"columns, got {h_out.dtype} stride {h_out.stride()} on {h_out.device}")
+                             f"{tuple(residual_out.shape)} and norm weight {tuple(norm_weight.shape)} must match x "
+                             f"{tuple(x.shape)}")
         # The kernel reads the norm weight at unit stride and writes residual_out [M, K] at its row
         # stride with unit columns: a strided weight view was read as the wrong elements, and a
         # column-strided residual_out was written in the wrong places, both without an error.
@@ -318,8 +276,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: b
     if out is not None and (out.shape != (M, N) or out.stride(1) != 1 or out.device != x.device):
         raise ValueError(f"skinny_gemm: out: expected [{M}, {N}] with unit-stride columns on {x.device}, "
                          f"got {tuple(out.shape)} stride {out.stride()} on {out.device}")
-    dtype = residual.dtype if partials else x.dtype
-    y = torch.empty((M, N), dtype=dtype, device=x.device) if out is None else out
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:
         return y
     block_m = max(16, triton.next_power_of_2(M)) if config.use_dot else triton.next_power_of_2(M)
@@ -328,15 +285,12 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig, gated: b
     pdl_kwargs = pdl.launch_kwargs(x.device)
     even_k = K % block_k == 0
     preload = preload_slices(config.block_n, block_k, K, config.num_warps) if pdl_kwargs["PDL"] else 0
-    h = h_out if h_out is not None else y
     _skinny_gemm_kernel[grid](
-        x, w, y, residual, norm_weight, residual_out, h, M, N, K,
-        x.stride(-2), x.stride(0) if partials else 0, w.stride(0), y.stride(0), residual.stride(0),
-        residual_out.stride(0), h.stride(0), eps,
-        GATED=gated, NORM=norm is not None, NUM_PARTIALS=x.shape[0] if partials else 0, H_OUT=h_out is not None,
-        USE_DOT=config.use_dot, EVEN_K=even_k,
+        x, w, y, residual, norm_weight, residual_out, M, N, K,
+        x.stride(0), w.stride(0), y.stride(0), residual.stride(0), residual_out.stride(0), eps,
+        GATED=gated, NORM=norm is not None, USE_DOT=config.use_dot, EVEN_K=even_k,
         # fp32 stays exact (tf32 would lose 13 mantissa bits); bf16/fp16 dots ignore the setting.
-        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, PRELOAD=preload,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kwargs)
     return y
@@ -384,20 +338,3 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
             return y, residual_out
     h, residual_out = add_rms_norm(x, residual, norm_weight, eps)
     return linear(h, w), residual_out
-
-
-def add_rms_norm_partials_linear(partials: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                                 eps: float, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h @ w.T, h, x + residual) for h = rmsnorm(x + residual) * norm_weight and x the sum of a
-    projection's split-K partials [S, M, K] (kernels/split_k.py): one skinny launch, which also
-    writes h, for few-row CUDA inputs of a tuned shape; else kernels/norm.py's
-    add_rms_norm_partials and `linear`. For a projection beside which another consumer reads h
-    (the MoE router and its experts)."""
-    if partials.is_cuda and partials.dim() == 3 and partials.shape[1] > 0:
-        config = prologue_config(partials.shape[1], w.shape[0], w.shape[1])
-        if config is not None and w.dtype == residual.dtype:
-            residual_out, h = torch.empty_like(residual), torch.empty_like(residual)
-            y = skinny_gemm(partials, w, config, norm=(residual, norm_weight, eps, residual_out), h_out=h)
-            return y, h, residual_out
-    h, residual_out = add_rms_norm_partials(partials, residual, norm_weight, eps)
-    return linear(h, w), h, residual_out

@@ -8,8 +8,6 @@ the unfused baseline of the benchmarks). The loop learns each expert's tokens on
 wrapped in a custom op: Dynamo keeps it as one opaque node instead of breaking the graph at it.
 """
 
-import os
-
 import torch
 from torch import nn
 
@@ -23,13 +21,6 @@ from pcg_engine.models.layers import Linear, _kernel_ops
         fake=lambda h, w13, w2, weights, ids: torch.empty_like(h))
 def moe_experts_ref(h, w13, w2, weights, ids):
     return fused_moe_ref(h, w13, w2, weights, ids)
-
-
-# Few-row eager steps (and the full decode graphs): the post-attention add + RMSNorm, summing
-# o_proj's split-K partials, folds into the router's skinny GEMM, which also writes the normed
-# input for the experts (kernels/skinny_gemm.py, add_rms_norm_partials_linear): one launch fewer a
-# layer. PCG_MOE_NORM_ROUTER=0 keeps the two (an A/B switch, read at import).
-NORM_INTO_ROUTER = os.environ.get("PCG_MOE_NORM_ROUTER", "1") != "0"
 
 
 class SparseMoE(nn.Module):
@@ -46,10 +37,7 @@ class SparseMoE(nn.Module):
     def route(self, h: torch.Tensor):
         """(weights in h's dtype, expert ids), each [T, top_k]: transformers' softmax over all
         experts in fp32, top-k, the k weights normalised to sum 1 where norm_topk_prob says."""
-        return self.route_logits(self.gate(h), h.dtype)
-
-    def route_logits(self, logits: torch.Tensor, dtype: torch.dtype):
-        """route() from the router's logits [T, E]; dtype: the activations'."""
+        logits = self.gate(h)
         if self.norm_topk_prob:
             # The same weights in three kernels instead of five (softmax, top-k, sum, divide, cast):
             # softmax is monotonic, so the top-k probabilities belong to the top-k logits, and those k
@@ -64,15 +52,10 @@ class SparseMoE(nn.Module):
             return topk_softmax_ref(logits, self.top_k)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        return weights.to(dtype), ids
+        return weights.to(h.dtype), ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.experts(h, self.gate(h))
-
-    def experts(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """forward with the router's logits given: the decoder layer computes them with the norm
-        before (models/qwen3.py, NORM_INTO_ROUTER)."""
-        weights, ids = self.route_logits(logits, h.dtype)
+        weights, ids = self.route(h)
         if self.use_kernels:
             return _kernel_ops().fused_moe(h, self.w13, self.w2, weights, ids)
         return torch.ops.pcg.moe_experts_ref(h, self.w13, self.w2, weights, ids)

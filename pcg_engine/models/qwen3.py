@@ -13,8 +13,6 @@ import torch
 from torch import nn
 
 import pcg_engine.attention.op  # noqa: F401  (registers torch.ops.pcg.rope_kv_write, .attention)
-from pcg_engine.kernels.skinny_gemm import add_rms_norm_partials_linear
-from pcg_engine.models import moe
 from pcg_engine.models.layers import Embedding, Linear, Projection, RMSNorm, _kernel_ops, silu_and_mul
 from pcg_engine.models.moe import SparseMoE
 
@@ -128,12 +126,6 @@ class DecoderLayer(nn.Module):
             gate_up, residual = _kernel_ops().add_rms_norm_linear(h, residual, ln.weight, ln.eps,
                                                                   mlp.gate_up_proj.weight)
             return mlp.down(gate_up), residual
-        if isinstance(mlp, SparseMoE) and h.dim() == 3 and moe.NORM_INTO_ROUTER \
-                and _folds(self.post_attention_layernorm, mlp.gate):
-            # o_proj's split-K partials (eager steps of a few rows): the norm folds into the router
-            ln = self.post_attention_layernorm
-            logits, h, residual = add_rms_norm_partials_linear(h, residual, ln.weight, ln.eps, mlp.gate.weight)
-            return mlp.experts(h, logits), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return mlp(h), residual
 

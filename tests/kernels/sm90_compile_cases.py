@@ -100,9 +100,8 @@ def activation_cases(add):
 
 def skinny_cases(add):
     """Every TUNED entry with the prologue the model folds into that projection (qwen3.py: qkv
-    plain in the first layer and NORM after, gate_up NORM, down GATED, o plain, the MoE router NORM
-    from o_proj's split-K partials with the normed input written out), PDL on (graphs) and, at one
-    row, off (eager decode); plus fp32 and the tensor-core path the benchmark sweeps."""
+    plain in the first layer and NORM after, gate_up NORM, down GATED, o plain), PDL on (graphs)
+    and, at one row, off (eager decode); plus fp32 and the tensor-core path the benchmark sweeps."""
     from pcg_engine.kernels import skinny_gemm as sg
     roles = {}
     for m in (preset("qwen3-0.6b"), preset("qwen3-8b"), preset("qwen3-30b-a3b")):
@@ -110,20 +109,15 @@ def skinny_cases(add):
         roles[(2 * m.inter, m.hidden)] = ("norm",)
         roles[(m.hidden, m.hq * m.d)] = ("plain",)
         roles[(m.hidden, m.inter)] = ("gated",)
-        if m.experts:
-            roles[(m.experts, m.hidden)] = ("plain", "partials")
     for (rows, n, k), config in sorted(sg.TUNED.items()):
         for mode in roles.get((n, k), ("plain",)):
             w = empty(n, k, dtype=torch.bfloat16)
             x = empty(rows, 2 * k if mode == "gated" else k, dtype=torch.bfloat16)
             norm = (empty(rows, k, dtype=torch.bfloat16), empty(k, dtype=torch.bfloat16), 1e-6,
-                    empty(rows, k, dtype=torch.bfloat16)) if mode in ("norm", "partials") else None
-            h_out = None
-            if mode == "partials":   # split_k.SPLIT_K's four fp32 partials of o_proj
-                x, h_out = empty(4, rows, k, dtype=torch.float32), empty(rows, k, dtype=torch.bfloat16)
+                    empty(rows, k, dtype=torch.bfloat16)) if mode == "norm" else None
             for pdl_on in (True, False) if rows == 1 else (True,):
                 add(f"skinny_gemm {mode} M={rows} N={n} K={k}", pdl_on, sg.skinny_gemm, x, w, config,
-                    gated=mode == "gated", norm=norm, h_out=h_out)
+                    gated=mode == "gated", norm=norm)
     add("skinny_gemm fp32 plain M=1 N=1024 K=2048", True, sg.skinny_gemm, empty(1, 2048, dtype=torch.float32),
         empty(1024, 2048, dtype=torch.float32), sg.TUNED[(1, 1024, 2048)])
     add("skinny_gemm plain M=1 N=4096 K=4096, four preloaded slices", True, sg.skinny_gemm,

@@ -186,49 +186,6 @@ def test_norm_prologue_reads_eps_and_keeps_a_zero_row_zero(eps, config, device, 
     assert (y[0] == 0).all()
 
 
-@pytest.mark.parametrize("m,k,splits", [(1, 64, 4), (3, 48, 2), (2, 100, 1)])
-@pytest.mark.parametrize("config", [SkinnyConfig(16, 32, True), SkinnyConfig(4, 64, False)], ids=["dot", "sum"])
-def test_norm_prologue_sums_split_k_partials_and_writes_the_normed_input(m, k, splits, config, device, poison_empty):
-    """x as a projection's fp32 split-K partials [S, M, K] (kernels/split_k.py): summed and rounded to
-    the residual's dtype as norm.add_rms_norm_partials does; program 0 writes the new residual and,
-    with h_out, the normed input (the MoE router's fold, whose experts read it)."""
-    from pcg_engine.kernels.norm import add_rms_norm_partials_ref
-    partials = torch.randn(splits, m, k, device=device)
-    residual = torch.randn(m, k, device=device)
-    norm_weight = torch.rand(k, device=device) + 0.5
-    w = torch.randn(40, k, device=device)
-    residual_out, h_out = torch.empty_like(residual), torch.empty_like(residual)
-    y = skinny_gemm(partials, w, config, norm=(residual, norm_weight, 1e-6, residual_out), h_out=h_out)
-    h, new_residual = add_rms_norm_partials_ref(partials, residual, norm_weight, 1e-6)
-    torch.testing.assert_close(y, torch.nn.functional.linear(h, w), **FP32)
-    torch.testing.assert_close(residual_out, new_residual, **FP32)
-    torch.testing.assert_close(h_out, h, **FP32)
-
-
-def test_partials_and_h_out_are_checked(device):
-    w, config = torch.randn(8, 32, device=device), SkinnyConfig(4, 32, False)
-    residual, nw = torch.randn(2, 32, device=device), torch.rand(32, device=device)
-    norm = (residual, nw, 1e-6, torch.empty_like(residual))
-    with pytest.raises(ValueError, match="h_out comes with norm"):
-        skinny_gemm(torch.randn(2, 32, device=device), w, config, h_out=torch.empty_like(residual))
-    with pytest.raises(ValueError, match="must match x"):
-        skinny_gemm(torch.randn(4, 3, 32, device=device), w, config, norm=norm)
-    with pytest.raises(ValueError, match="h_out must be"):
-        skinny_gemm(torch.randn(4, 2, 32, device=device), w, config, norm=norm,
-                    h_out=torch.empty(2, 32, device=device, dtype=torch.float64))
-
-
-def test_add_rms_norm_partials_linear_falls_back_on_cpu():
-    from pcg_engine.kernels.norm import add_rms_norm_partials_ref
-    from pcg_engine.kernels.skinny_gemm import add_rms_norm_partials_linear
-    partials, residual, nw, w = torch.randn(4, 3, 64), torch.randn(3, 64), torch.rand(64) + 0.5, torch.randn(16, 64)
-    y, h, new_residual = add_rms_norm_partials_linear(partials, residual, nw, 1e-6, w)
-    ref_h, ref_residual = add_rms_norm_partials_ref(partials, residual, nw, 1e-6)
-    torch.testing.assert_close(h, ref_h, **FP32)
-    torch.testing.assert_close(y, torch.nn.functional.linear(ref_h, w), **FP32)
-    torch.testing.assert_close(new_residual, ref_residual, **FP32)
-
-
 def test_add_rms_norm_linear_op_falls_back_on_cpu():
     import pcg_engine.kernels.ops  # noqa: F401
     from pcg_engine.kernels.norm import add_rms_norm_ref
@@ -237,28 +194,6 @@ def test_add_rms_norm_linear_op_falls_back_on_cpu():
     h, ref_residual = add_rms_norm_ref(x, residual, nw, 1e-6)
     torch.testing.assert_close(y, torch.nn.functional.linear(h, w), **FP32)
     torch.testing.assert_close(new_residual, ref_residual, **FP32)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("m", [1, 2, 4])
-def test_gpu_a3b_router_with_the_norm_of_o_partials(m):
-    """Qwen3-30B-A3B's router fold in bf16 (o_proj's four fp32 partials, the router's tuned config):
-    the new residual bit for bit the norm kernel's, the normed input within an ulp (the row's sum
-    of squares may be reduced in another order), the logits as the router on that input."""
-    from pcg_engine.kernels.norm import add_rms_norm_partials
-    from pcg_engine.kernels.skinny_gemm import add_rms_norm_partials_linear, tuned_config
-    assert tuned_config(m, 128, 2048) is not None
-    partials = torch.randn(4, m, 2048, device="cuda") / 4
-    residual = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
-    nw = (torch.rand(2048, device="cuda") + 0.5).to(torch.bfloat16)
-    w = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
-    logits, h, new_residual = add_rms_norm_partials_linear(partials, residual, nw, 1e-6, w)
-    ref_h, ref_residual = add_rms_norm_partials(partials, residual, nw, 1e-6)
-    assert torch.equal(new_residual, ref_residual)
-    torch.testing.assert_close(h, ref_h, rtol=1e-2, atol=1e-2)
-    assert (h != ref_h).float().mean() < 0.01
-    torch.testing.assert_close(logits, skinny_gemm(ref_h, w, tuned_config(m, 128, 2048)), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -129,37 +129,3 @@ def test_split_k_projections_give_the_same_tokens(tmp_path_factory, monkeypatch,
     monkeypatch.setattr(split_k, "SPLIT_K", {})
     bf16_plain = prefill_logits(path, "triton", True, "bfloat16", [[5, 6], [7]])
     torch.testing.assert_close(bf16_split, bf16_plain, rtol=3e-2, atol=3e-2)
-
-
-@pytest.mark.parametrize("mode", ["eager", "full_decode"])
-def test_moe_norm_folded_into_the_router_gives_the_same_tokens(tmp_path_factory, monkeypatch, mode):
-    """The MoE layer's post-attention add + RMSNorm (from o_proj's split-K partials) folded into the
-    router's skinny GEMM (models/moe.py, NORM_INTO_ROUTER), on the tiny MoE with its o shape split
-    and its router shape tuned: the fold runs in the steps of up to MAX_ROWS tokens, and the greedy
-    tokens in fp32 equal those of the norm and router as two launches."""
-    from pcg_engine.kernels import skinny_gemm, split_k
-    from pcg_engine.models import moe
-    path = build_tiny(tmp_path_factory.getbasetemp(), "tiny-qwen3-moe")
-    monkeypatch.setattr(split_k, "SPLIT_K", {(64, 128): 4})
-    monkeypatch.setattr(skinny_gemm, "TUNED", {(m, 8, 64): skinny_gemm.SkinnyConfig(2, 64, False, 4, 1) for m in (1, 2, 4)})
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 3, 9)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    folds = []
-    real = skinny_gemm.skinny_gemm
-    monkeypatch.setattr(skinny_gemm, "skinny_gemm",
-                        lambda *a, **k: (k.get("h_out") is not None and folds.append(a[0].shape)) or real(*a, **k))
-
-    def tokens(fold):
-        monkeypatch.setattr(moe, "NORM_INTO_ROUTER", fold)
-        llm = LLM(str(path), device="cuda", dtype="float32", mode=mode, num_kv_blocks=128, max_num_seqs=4,
-                  max_num_batched_tokens=64)
-        out = [o.token_ids for o in llm.generate(prompts, params)]
-        llm.close()
-        return out
-
-    plain = tokens(False)
-    assert folds == []
-    folded = tokens(True)
-    assert folds and all(s[0] == 4 and s[1] <= split_k.MAX_ROWS for s in folds)   # [S = 4, rows, 64] partials
-    assert folded == plain
