@@ -216,13 +216,6 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
 # in the sweep, no prologue) measured slower in the model: P1 8B 4.91 ms vs 4.74 (session 4,
 # call 3, docs/PERF.md), so 8B stays on cuBLAS.
 
-# A/B (session 36): o_proj at one row on the kernel for Qwen3-30B-A3B (2048 x 4096) and 8B (4096 x
-# 4096), with two-row tiles so that PDL preloads the whole weight row (four 1024 slices) before the
-# wait, overlapping the attention and its merge. Off unless PCG_SKINNY_O1=1 (read at import).
-if os.environ.get("PCG_SKINNY_O1", "0") == "1":
-    TUNED[(1, 2048, 4096)] = SkinnyConfig(2, 1024, False, 4, 3)
-    TUNED[(1, 4096, 4096)] = SkinnyConfig(2, 1024, False, 4, 3)
-
 # PCG_SKINNY_GEMM=0 keeps F.linear everywhere (an A/B switch for benchmarks, read at fuse time).
 ENABLED = os.environ.get("PCG_SKINNY_GEMM", "1") != "0"
 
