@@ -93,3 +93,31 @@ def test_auto_takes_gemv_for_a_few_tokens_only(device, monkeypatch):
         fused_moe(x, w13, w2, topk_weights, topk_ids, configs=(moe.MoEConfig(16, 16, 16, 4, 2),) * 2, path="gemv")
     with pytest.raises(ValueError, match="configs: the grouped GEMM path takes two MoEConfig"):
         fused_moe(x, w13, w2, topk_weights, topk_ids, configs=(GemvConfig(2, 16, 4, 1),) * 2)
+
+
+def test_down_launch_preloads_only_with_pdl_and_whole_slices(monkeypatch):
+    """The down launch's PRELOAD (k-slices of expert rows loaded before gdc_wait): DOWN_PRELOAD
+    slices with PDL, at most K's slices, none where K is not a multiple of the tile (the preloaded
+    loads take no mask) or without PDL (the kernel asserts it)."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(moe_gemv, "_moe_gemv_down_kernel", Recorder())
+    monkeypatch.setattr(moe_gemv, "DOWN_PRELOAD", 2)
+    ids, scales = torch.zeros(4, dtype=torch.int64), torch.ones(4)
+
+    def preload(inter, block_k, pdl_on):
+        monkeypatch.setattr(moe_gemv.pdl, "launch_kwargs", lambda device: {"PDL": pdl_on})
+        w2 = torch.zeros(3, 16, inter)
+        moe_gemv.launch_down(torch.zeros(4, inter), w2, ids, scales, 2, GemvConfig(2, block_k, 4, 1))
+        return launches[-1]["PRELOAD"]
+
+    assert preload(768, 256, True) == 2
+    assert preload(256, 256, True) == 1          # one slice is all K has
+    assert preload(700, 256, True) == 0          # a ragged last slice
+    assert preload(768, 256, False) == 0
+    monkeypatch.setattr(moe_gemv, "DOWN_PRELOAD", 0)
+    assert preload(768, 256, True) == 0
