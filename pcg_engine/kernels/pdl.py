@@ -18,7 +18,10 @@ GEMM loads its weight tile there, so a projection's weight stream overlaps the k
 Decode attention loads its seq_len and block ids there, and asks L2 for its first K/V tiles
 (`prefetch_l2`; session 23 measured -1 us a layer): a prefetch keeps no value and no L1 line, and
 the KV slot that the RoPE + KV write before it stores lands in L2, the point of coherence, so a
-line fetched early is never stale. The other kernels wait first thing and gain only the launch. The wait is executed by every program
+line fetched early is never stale. Data written two launches back is also safe to read early when
+the launch in between waits first thing: the MoE GEMV's down launch reads the routing's ids and
+weights, and its expert rows, before its wait (kernels/moe_gemv.py), since it is launched only after
+every up program has passed its own wait on the routing kernel. The other kernels wait first thing and gain only the launch. The wait is executed by every program
 before any early exit, so a kernel never completes before its predecessor has, and the ordering is
 transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
 
