@@ -131,6 +131,12 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, top_k, stride_xm, 
 
 
 @triton.jit
+def _slots_dot(acc, w, x):
+    """acc [slot, column] += one k-slice's products: w [slot, column, k], x [slot, k]."""
+    return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
+
+
+@triton.jit
 def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, scale_ptr, y_ptr, N, K, top_k, stride_am, stride_we, stride_wn,
                           stride_ym, EVEN_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
@@ -167,11 +173,9 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, scale_ptr, y_ptr, N, K, top_k
         gdc_launch_dependents()
     acc = tl.zeros((TOP_K_PAD, BLOCK_N), dtype=tl.float32)
     if PRELOAD >= 1:
-        acc += tl.sum(w0.to(tl.float32) * tl.load(a_ptrs, mask=slot_ok[:, None], other=0.0).to(tl.float32)[:, None, :],
-                      axis=2)
+        acc = _slots_dot(acc, w0, tl.load(a_ptrs, mask=slot_ok[:, None], other=0.0))
     if PRELOAD >= 2:
-        acc += tl.sum(w1.to(tl.float32) * tl.load(a_ptrs + BLOCK_K, mask=slot_ok[:, None],
-                                                  other=0.0).to(tl.float32)[:, None, :], axis=2)
+        acc = _slots_dot(acc, w1, tl.load(a_ptrs + BLOCK_K, mask=slot_ok[:, None], other=0.0))
     a_ptrs += PRELOAD * BLOCK_K
     w_ptrs += PRELOAD * BLOCK_K
     for k0 in range(PRELOAD, tl.cdiv(K, BLOCK_K)):
@@ -182,7 +186,7 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, scale_ptr, y_ptr, N, K, top_k
             k_ok = rk < K - k0 * BLOCK_K
             x = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
+        acc = _slots_dot(acc, w, x)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = tl.sum(acc * scales[:, None], axis=0)
