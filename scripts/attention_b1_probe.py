@@ -10,6 +10,15 @@ device-to-device copies that move the same bytes, one buffer pair per call, rota
 attention inputs: the nearest thing to this size's own ceiling. Also a read-only Triton kernel
 decomposed like the attention (PROGRAMS programs, each summing its share of the same 33.5 MB), and
 the attention at other split counts.
+
+--diag (session 37): where the main kernel's ~3.8 µs over a plain read of its bytes goes. The
+attention at 8192 keys with other decode tunings (keys a tile up to the whole split: one K and one
+V load a program, no loop), against `_paged_read_kernel`, which reads the same K and V bytes in the
+attention's decomposition (one program a kv head and split, TILE_N keys at a time) and only sums
+them: with the block ids read from the table (the attention's dependent loads) or made up from the
+tile index (no table read), and with seq_len read from memory or given. What separates the paged
+read from the plain read is the gather and its dependent loads; what separates the attention from
+the paged read is its math, its partial stores and the merge.
 """
 
 import argparse
@@ -107,6 +116,88 @@ def attention_splits(hq, splits):
             "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3), "rel_error": shape.error(splits)}
 
 
+@triton.jit
+def _paged_read_kernel(cache_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_splits, ctx,
+                       stride_kv, stride_blk, stride_tok, stride_h,
+                       TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       TABLE: tl.constexpr, SEQ_FROM_MEMORY: tl.constexpr):
+    """The attention's K/V reads for one request (program = kv head, split), summed: no dot, no
+    softmax, no partial stores. TABLE=False: block id = tile's own index + 1 (no table read)."""
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr) if SEQ_FROM_MEMORY else ctx
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    per = tl.cdiv(num_tiles, num_splits)
+    lo = split * per
+    hi = tl.minimum(lo + per, num_tiles)
+    k_base = cache_ptr + kvh * stride_h
+    v_base = k_base + stride_kv
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros((TILE_N, HEAD_DIM), tl.float32)
+    for tile in range(lo, hi):
+        n = tile * TILE_N + tl.arange(0, TILE_N)
+        if TABLE:
+            blk = tl.load(bt_ptr + n // BLOCK_SIZE).to(tl.int64)
+        else:
+            blk = (n // BLOCK_SIZE + 1).to(tl.int64)
+        off = blk * stride_blk + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
+        k = tl.load(k_base + off[:, None] + d[None, :])
+        v = tl.load(v_base + off[:, None] + d[None, :])
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(out_ptr + kvh * num_splits + split, tl.sum(tl.sum(acc, 1), 0))
+
+
+def paged_reads(hk, splits, tile_n, warps, table, seq_from_memory):
+    shape = AttentionShape(1, 8192, 1, 16, hk)
+    out = torch.empty(hk * splits, dtype=torch.float32, device="cuda")
+
+    def call(i):
+        q, cache, qsl, lens, bt, _ = shape.sets[i % len(shape.sets)]
+        _paged_read_kernel[(hk, splits)](cache, lens, bt, out, splits, 8192, cache.stride(0), cache.stride(1),
+                                         cache.stride(2), cache.stride(3), TILE_N=tile_n, BLOCK_SIZE=cache.shape[2],
+                                         HEAD_DIM=128, TABLE=table, SEQ_FROM_MEMORY=seq_from_memory, num_warps=warps)
+    call(0)      # the sum of everything read = the sum of set 0's K and V in blocks 1.. (the table's set)
+    want = shape.sets[0][1][:, 1:, :, :hk].float().sum()
+    sum_err = float((out.sum() - want).abs() / want.abs().clamp_min(1.0))
+    graph = graph_of_calls(call, shape.calls)
+    us = median_replay_ms(graph, 20) * 1e3 / shape.calls
+    return {"paged_read": f"B1 ctx8192 Hk{hk}", "splits": splits, "tile_n": tile_n, "warps": warps,
+            "table": table, "seq_from_memory": seq_from_memory, "sum_err": sum_err, "us": round(us, 2),
+            "of_ceiling": round(shape.kv_bytes / us / 1e3 / COPY_GBPS, 3)}
+
+
+def attention_tuned(hq, splits, tuning):
+    """The attention at 8192 keys with a given DecodeTuning (the main kernel and the merge apart)."""
+    shape = AttentionShape(1, 8192, 1, hq, 8)
+    graph = graph_of_calls(lambda i: shape.call(i, splits, tuning), shape.calls)
+    us = median_replay_ms(graph, 20) * 1e3 / shape.calls
+    nbytes = shape.kv_bytes + 2 * hq * 128 * 2
+    return {"shape": f"B1 ctx8192 Hq{hq} Hk8", "splits": splits, "tuning": tuning._asdict(), "us": round(us, 2),
+            "of_ceiling": round(nbytes / us / 1e3 / COPY_GBPS, 3), "kernels_us": kernel_split(graph, shape.calls),
+            "rel_error": shape.error(splits, tuning)}
+
+
+def diag():
+    from pcg_engine.attention.launch_config import DecodeTuning
+    rows = []
+    for hq in (16, 32):
+        for splits, tuning in ((64, DecodeTuning()), (64, DecodeTuning(tile_n=128)),
+                               (64, DecodeTuning(tile_n=128, num_warps=8)), (32, DecodeTuning(tile_n=256, num_warps=8)),
+                               (64, DecodeTuning(tile_n=32, num_stages=3))):
+            rows.append(attention_tuned(hq, splits, tuning))
+            print(json.dumps(rows[-1]))
+    for tile_n, warps in ((64, 4), (128, 4), (128, 8)):
+        for table, seq in ((True, True), (False, True), (False, False)):
+            rows.append(paged_reads(8, 64, tile_n, warps, table, seq))
+            print(json.dumps(rows[-1]))
+    kv = 2 * 8192 * 8 * 128 * 2
+    rows.append(reads(kv, 512, 4096, 4))
+    print(json.dumps(rows[-1]))
+    rows.append(copies(kv))
+    print(json.dumps(rows[-1]))
+    return rows
+
+
 def _layout_inputs(ctx, hq, hk, bs, head_major):
     """One rotating input set of a B1 decode: the cache as [2, NB, BS, Hk, D] either stored so
     (token-major: a head's key rows are 256 B pieces Hk x 256 B apart) or stored [2, NB, Hk, BS, D]
@@ -158,8 +249,17 @@ def main():
     parser.add_argument("--layouts", action="store_true",
                         help="only the attention at 8192 keys, token-major against head-major KV cache, "
                              "block size 16 / 64 / 128, Hq 16 / 32")
+    parser.add_argument("--diag", action="store_true",
+                        help="only the decomposition of the main kernel's time: the attention at other decode "
+                             "tunings against a paged read of the same bytes (see the module docstring)")
     args = parser.parse_args()
     rows = []
+    if args.diag:
+        rows = diag()
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "torch": torch.__version__,
+                                                   "device": torch.cuda.get_device_name()}, indent=1))
+        return
     if args.layouts:
         for bs in (16, 64, 128):
             for head_major in (False, True):

@@ -27,7 +27,7 @@
 # splitk (scripts/bench_split_k_norm.py: 8B's o/down + norm, cuBLAS vs kernels/split_k.py and its variants; then test_split_k.py's gpu tests),
 # p1solo (P1 of each of SOLO_MODES in its own process, alternated SOLO_ROUNDS times, then SOLO_PAIR in one process; AB_MODEL, default 8B),
 # secondprobe (scripts/second_engine_probe.py per variant of PROBE_VARIANTS: plain, --keep-cache, --clear-cublas, expandable, VAR=value; PROBE_MODES, AB_MODEL),
-# b1probe (scripts/attention_b1_probe.py: B1 x 8192 decode attention's parts against a copy and a read of its bytes; B1_CONTEXTS=8192,32768: the attention and a copy at each context instead; B1_LAYOUTS=1: token- against head-major KV cache at block sizes 16 / 64 / 128),
+# b1probe (scripts/attention_b1_probe.py: B1 x 8192 decode attention's parts against a copy and a read of its bytes; B1_CONTEXTS=8192,32768: the attention and a copy at each context instead; B1_LAYOUTS=1: token- against head-major KV cache at block sizes 16 / 64 / 128; B1_DIAG=1: other tunings against a paged read of the same bytes),
 # l2bench (scripts/bench_l2_prefetch.py: 8B's batch-1 layer stand-in with and without L2 prefetches of the next weight).
 # p4tree (P4 of this tree against the base tree in AB_TREE, alternated TREE_ROUNDS times, default 3).
 # The tree parts (p1tree, ttfttree, p4tree) run Python with PYTHONSAFEPATH=1: `python3 -m` puts the working
@@ -176,7 +176,7 @@ m = {c: sorted(r['python_median_us'] for r in runs)[len(runs) // 2] for c, runs 
     splitk) timeout $(lim 120) python3 scripts/bench_split_k_norm.py --json $OUT/split_k_norm.json 2>&1 | tail -20   # the o/down + norm pair
           timeout $(lim 150) $T tests/kernels/test_split_k.py 2>&1 | tee $OUT/gpu_split_k.log | tail -6 ;;   # its gpu-marked tests
     l2bench) timeout $(lim 150) python3 scripts/bench_l2_prefetch.py --json $OUT/l2_prefetch.json 2>&1 | grep -v Warn | tail -16 ;;
-    b1probe) timeout $(lim 150) python3 scripts/attention_b1_probe.py ${B1_CONTEXTS:+--contexts $B1_CONTEXTS} ${B1_LAYOUTS:+--layouts} --json $OUT/attention_b1_probe.json 2>&1 | grep -v Warn | tail -20 ;;
+    b1probe) timeout $(lim 150) python3 scripts/attention_b1_probe.py ${B1_CONTEXTS:+--contexts $B1_CONTEXTS} ${B1_LAYOUTS:+--layouts} ${B1_DIAG:+--diag} --json $OUT/attention_b1_probe.json 2>&1 | grep -v Warn | tail -20 ;;
     skinny) timeout $(lim 300) python3 scripts/bench_skinny_gemm.py ${SKINNY_ARGS:-} --json $OUT/skinny.json 2>&1 | tail -60 ;;
     capture) timeout $(lim 120) python3 scripts/bench_capture.py ${CAPTURE_ARGS:-} --json $OUT/capture.json 2>&1 | tail -12 ;;
     capture_engine) timeout $(lim 200) python3 scripts/bench_capture.py --engine $(model qwen3-0.6b) --json $OUT/capture_engine.json 2>&1 | tail -14 ;;
