@@ -287,8 +287,11 @@ def run_arrivals(engine, reqs, abort_at=6):
 
 
 def test_random_workloads_sync_async_and_configs_agree(dense_path):
+    # The last: no prefix cache (a preempted request recomputes everything), two-token blocks.
     configs = [{}, {"num_kv_blocks": 16, "block_size": 4},
-               {"num_kv_blocks": 18, "block_size": 4, "max_num_batched_tokens": 9, "max_num_seqs": 5}]
+               {"num_kv_blocks": 18, "block_size": 4, "max_num_batched_tokens": 9, "max_num_seqs": 5},
+               {"num_kv_blocks": 32, "block_size": 2, "max_num_batched_tokens": 5, "max_num_seqs": 3,
+                "enable_prefix_caching": False}]
     engines = {(c, mode): make_llm(dense_path, async_scheduling=mode, **cfg).engine
                for c, cfg in enumerate(configs) for mode in (False, True)}
     # Seed 11: a request preempts itself when nobody else runs (an empty plan) and comes back
@@ -308,7 +311,7 @@ def test_random_workloads_sync_async_and_configs_agree(dense_path):
                     assert res[rid][0][:n] == ref[rid][0][:n], (key, rid)
                 else:
                     assert res[rid] == ref[rid], (key, rid)
-    assert all(engines[(1, mode)].stats.preemptions > 0 for mode in (False, True))
+    assert all(engines[(c, mode)].stats.preemptions > 0 for c in (1, 3) for mode in (False, True))
 
 
 def test_last_token_in_flight_is_not_scheduled_again(dense_path):
