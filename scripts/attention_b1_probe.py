@@ -12,8 +12,8 @@ decomposed like the attention (PROGRAMS programs, each summing its share of the 
 the attention at other split counts.
 
 --diag (session 37): where the main kernel's ~3.8 µs over a plain read of its bytes goes. The
-attention at 8192 keys with other decode tunings (keys a tile up to the whole split: one K and one
-V load a program, no loop), against `_paged_read_kernel`, which reads the same K and V bytes in the
+attention at 8192 keys with other decode tunings (no pipelining; 128-key tiles, up to one tile a
+program: one K and one V load, no loop; a deeper pipeline), against `_paged_read_kernel`, which reads the same K and V bytes in the
 attention's decomposition (one program a kv head and split, TILE_N keys at a time) and only sums
 them: with the block ids read from the table (the attention's dependent loads) or made up from the
 tile index (no table read), and with seq_len read from memory or given. What separates the paged
@@ -181,8 +181,11 @@ def diag():
     from pcg_engine.attention.launch_config import DecodeTuning
     rows = []
     for hq in (16, 32):
-        for splits, tuning in ((64, DecodeTuning()), (64, DecodeTuning(tile_n=128)),
-                               (64, DecodeTuning(tile_n=128, num_warps=8)), (32, DecodeTuning(tile_n=256, num_warps=8)),
+        # sm_90 resources (ptxas -v, triton 3.9, session 37): the default 128 registers and 39 KB of shared
+        # memory, 4 programs an SM, one wave; 128-key tiles take 70-74 KB of shared memory (3 an SM, so
+        # 64 splits run in two waves, 32 splits in one); 32-key tiles at 3 stages 72 registers, 22 KB.
+        for splits, tuning in ((64, DecodeTuning()), (64, DecodeTuning(num_stages=1)),
+                               (32, DecodeTuning(tile_n=128)), (64, DecodeTuning(tile_n=128, num_stages=1)),
                                (64, DecodeTuning(tile_n=32, num_stages=3))):
             rows.append(attention_tuned(hq, splits, tuning))
             print(json.dumps(rows[-1]))
