@@ -156,3 +156,61 @@ def test_gpu_pdl_attention_reads_the_kv_slot_written_just_before(monkeypatch, sp
         outs[on] = got
     for a, b in zip(outs[False], outs[True]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs an sm_90+ GPU")
+def test_gpu_pdl_moe_down_launch_reads_this_layers_routing(monkeypatch, rel_err):
+    """The MoE down launch reads its expert ids, router weights and first expert-row slice before
+    gdc_wait (moe_gemv.py: the routing kernel wrote them two launches back; the up launch between
+    waits first thing). Four layers of router GEMM -> top-k kernel -> up -> down at Qwen3-30B-A3B's
+    shapes in one CUDA graph, replayed with new inputs: with PDL each layer's output equals the one
+    without PDL and the fp32 reference of that layer's own routing. A read of the routing before
+    its kernel wrote it would see the previous replay's (the same buffers) or garbage."""
+    from pcg_engine.kernels import moe_gemv
+    from pcg_engine.kernels.fused_moe import fused_moe_ref
+    from pcg_engine.kernels.moe_route import topk_softmax
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    E, D, inter, top_k, n, layers = 128, 2048, 768, 8, 2, 4
+    assert moe_gemv.takes_gemv(n, top_k) and moe_gemv.DOWN_PRELOAD > 0
+    g = torch.Generator(device=dev).manual_seed(2)
+    w13 = (torch.randn(E, 2 * inter, D, device=dev, generator=g) / D ** 0.5).to(bf)
+    w2 = (torch.randn(E, D, inter, device=dev, generator=g) / inter ** 0.5).to(bf)
+    routers = [(torch.randn(E, D, device=dev, generator=g) / D ** 0.5).to(bf) for _ in range(layers)]
+    x = torch.empty(n, D, device=dev, dtype=bf)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "_WANTED", on)
+        monkeypatch.setattr(pdl, "_depth", 1)   # as inside pdl.scope()
+        assert pdl.enabled(dev) == on
+
+        def step():
+            h, seen = x, []
+            for w_router in routers:
+                weights, ids = topk_softmax(h @ w_router.T, top_k)
+                y = moe_gemv.fused_moe_gemv(h, w13, w2, weights, ids)
+                seen.append((h, weights, ids, y))
+                h = (h + y) * 0.5
+            return seen
+        x.copy_(torch.randn(n, D, device=dev, generator=g))
+        torch.cuda.synchronize()
+        step()   # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            seen = step()
+        got = []
+        for i in range(3):   # new inputs, so each replay routes differently
+            x.copy_(torch.randn(n, D, device=dev, generator=torch.Generator(device=dev).manual_seed(100 + i)))
+            graph.replay()
+            got.append([tuple(t.clone() for t in layer) for layer in seen])
+        torch.cuda.synchronize()
+        outs[on] = got
+    for replay_off, replay_on in zip(outs[False], outs[True]):
+        assert torch.equal(replay_off[0][2], replay_on[0][2])   # the first layer's routing, from the same x
+        for (_, _, _, y0), (h1, w1, i1, y1) in zip(replay_off, replay_on):
+            # (later layers' inputs may differ in their last bits with PDL: the comparison has a tolerance)
+            assert rel_err(y1, y0) <= 1e-3
+            assert rel_err(y1, fused_moe_ref(h1.float(), w13.float(), w2.float(), w1.float(), i1)) <= 1e-2
+    # Replays differ: a launch that read the previous replay's routing would have matched it.
+    assert not torch.equal(outs[True][0][0][2], outs[True][1][0][2])
