@@ -13,12 +13,13 @@ the attention at other split counts.
 
 --diag (session 37): where the main kernel's ~3.8 µs over a plain read of its bytes goes. The
 attention at 8192 keys with other decode tunings (no pipelining; 128-key tiles, up to one tile a
-program: one K and one V load, no loop; a deeper pipeline), against `_paged_read_kernel`, which reads the same K and V bytes in the
-attention's decomposition (one program a kv head and split, TILE_N keys at a time) and only sums
-them: with the block ids read from the table (the attention's dependent loads) or made up from the
-tile index (no table read), and with seq_len read from memory or given. What separates the paged
-read from the plain read is the gather and its dependent loads; what separates the attention from
-the paged read is its math, its partial stores and the merge.
+program: one K and one V load, no loop; a deeper pipeline), against `_paged_read_kernel`, which
+reads the same K and V bytes in the attention's decomposition (one program a kv head and split,
+TILE_N keys at a time) and only sums them: with the block ids read from the table (the
+attention's dependent loads) or made up from the tile index (no table read), and with seq_len
+read from memory or given. What separates the paged read from the plain read is the gather and
+its dependent loads; what separates the attention from the paged read is its math, its partial
+stores and the merge.
 """
 
 import argparse
@@ -133,7 +134,7 @@ def _paged_read_kernel(cache_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_splits, ctx
     k_base = cache_ptr + kvh * stride_h
     v_base = k_base + stride_kv
     d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros((TILE_N, HEAD_DIM), tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)   # summed over the tile's keys: few registers at any TILE_N
     for tile in range(lo, hi):
         n = tile * TILE_N + tl.arange(0, TILE_N)
         if TABLE:
@@ -143,8 +144,8 @@ def _paged_read_kernel(cache_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_splits, ctx
         off = blk * stride_blk + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
         k = tl.load(k_base + off[:, None] + d[None, :])
         v = tl.load(v_base + off[:, None] + d[None, :])
-        acc += k.to(tl.float32) + v.to(tl.float32)
-    tl.store(out_ptr + kvh * num_splits + split, tl.sum(tl.sum(acc, 1), 0))
+        acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), 0)
+    tl.store(out_ptr + kvh * num_splits + split, tl.sum(acc, 0))
 
 
 def paged_reads(hk, splits, tile_n, warps, table, seq_from_memory):
