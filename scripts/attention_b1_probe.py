@@ -19,7 +19,8 @@ TILE_N keys at a time) and only sums them: with the block ids read from the tabl
 attention's dependent loads) or made up from the tile index (no table read), and with seq_len
 read from memory or given. What separates the paged read from the plain read is the gather and
 its dependent loads; what separates the attention from the paged read is its math, its partial
-stores and the merge.
+stores and the merge, and how its loads travel: compiled for sm_90, the attention's K/V loads are
+asynchronous copies into shared memory (pipelined), the two reads' plain loads into registers.
 """
 
 import argparse
