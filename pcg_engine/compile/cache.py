@@ -468,8 +468,31 @@ def _inductor_dirs(inductor_dir: Path, triton_dir: Path):
     # process stay valid whichever directory they came from; they are not cleared.
     inductor_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     triton_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with _set_env("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir)), _set_env("TRITON_CACHE_DIR", str(triton_dir)):
+    with _set_env("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir)), _set_env("TRITON_CACHE_DIR", str(triton_dir)), \
+            _no_shared_headers():
         yield
+
+
+@contextlib.contextmanager
+def _no_shared_headers():
+    """Inductor's precompiled C++ headers off while the set-up compiles. Inductor keeps them in
+    <tmp>/torchinductor_<user>/precompiled_headers whatever TORCHINDUCTOR_CACHE_DIR says (a path
+    fixed when torch._inductor.codecache is imported) and includes a header it finds there in
+    every CPU kernel it builds, unchecked: another user who made that directory first could put
+    code into the libraries this start builds, and a compile cache entry would then sign and
+    serve them. Without the header the same kernels build from the sources under the entry
+    (a CPU start of the tiny model took as long either way: 19.5-20.1 s without, 20.7-21.2 with)."""
+    import torch._inductor.config as inductor_config
+    name = "cpp_cache_precompile_headers"
+    if not hasattr(inductor_config, name):
+        yield
+        return
+    saved = getattr(inductor_config, name)
+    setattr(inductor_config, name, False)
+    try:
+        yield
+    finally:
+        setattr(inductor_config, name, saved)
 
 
 @contextlib.contextmanager
@@ -495,7 +518,8 @@ def no_cache(scratch: Path):
     libraries it builds under TORCHINDUCTOR_CACHE_DIR (/tmp/torchinductor_<user> by default), and
     loads a library already there under the same hash without building or checking it, so a start
     read what an earlier one (or anyone who could write there) left. While the set-up compiles,
-    Inductor and Triton work in scratch instead: an empty private directory of this start only."""
+    Inductor and Triton work in scratch instead: an empty private directory of this start only,
+    and Inductor's shared precompiled headers are off (_no_shared_headers)."""
     with _inductor_dirs(scratch / "inductor", scratch / "triton"), _fx_cache(False):
         yield
 

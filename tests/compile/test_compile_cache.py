@@ -820,3 +820,25 @@ def test_closed_engines_leave_no_dynamo_entry_nor_scratch_directory(tiny_dense, 
         del runner
         gc.collect()
     assert len(_debug_get_cache_entry_list(code)) == before
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_compile_writes_no_shared_precompiled_header(tiny_dense, tmp_path, cached):
+    """Inductor keeps precompiled C++ headers in <tmp>/torchinductor_<user>/precompiled_headers
+    whatever TORCHINDUCTOR_CACHE_DIR says, and includes a header found there in every CPU kernel it
+    builds: another user who made that directory first could put code into the kernels a start
+    builds (and that a cache entry then signs and serves). A start in its own process, with TMPDIR
+    a fresh directory, must leave nothing there, with the cache and without it (cache.py,
+    _no_shared_headers)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = ("from pcg_engine.llm import LLM; "
+            f"llm = LLM({str(tiny_dense)!r}, device='cpu', mode='compile', max_num_seqs=4, "
+            f"compile_cache={cached}, compile_cache_dir={str(tmp_path / 'cc')!r}); "
+            "print(llm.generate([[1, 2, 3]])[0].token_ids)")
+    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    assert out.stdout.strip().startswith("[")                          # it compiled and generated
+    left = [p for p in tmp.rglob("*") if p.is_file()]
+    assert left == [], f"files Inductor left in the shared temporary directory: {left}"
