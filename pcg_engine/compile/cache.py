@@ -154,7 +154,9 @@ def check_parents(path: Path) -> None:
     """Refuse a cache directory under one that others can write without the sticky bit: they could
     rename the checked directory away and put theirs in its place before Inductor or the saved
     trace reads from it (under a sticky directory such as /tmp only the owner may rename). Group
-    write is let pass here: with per-user groups (umask 002) ~/.cache is often group-writable."""
+    write counts as others' write unless the group is the user's own private group: with per-user
+    groups (umask 002) ~/.cache is often group-writable, which lets no one else in, while a
+    project directory shared by a team (root:team 2775) lets every member swap the cache."""
     absolute = Path(os.path.abspath(path))
     for parent in dict.fromkeys([*reversed(absolute.parents), *reversed(absolute.resolve().parents)]):
         try:
@@ -172,6 +174,22 @@ def check_parents(path: Path) -> None:
             raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
                                     f"lets anyone rename or replace what it holds (world-writable, no sticky bit); "
                                     f"choose another compile_cache_dir")
+        if mode & stat.S_IWGRP and not mode & stat.S_ISVTX and not _private_group(st.st_gid):
+            raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
+                                    f"lets the members of group {st.st_gid} rename or replace what it holds "
+                                    f"(group-writable, no sticky bit); choose another compile_cache_dir")
+
+
+def _private_group(gid: int) -> bool:
+    """gid is this user's own group: the user's primary group, named after the user, with no
+    other listed member (the user-private-group scheme of most Linux distributions)."""
+    try:
+        import grp
+        import pwd
+        group, user = grp.getgrgid(gid), pwd.getpwuid(os.getuid())
+    except (ImportError, KeyError):
+        return False              # no group database entry (or no such database): not known private
+    return gid == user.pw_gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
 
 
 def _sha256(path: Path) -> str:

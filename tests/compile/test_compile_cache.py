@@ -213,6 +213,43 @@ def test_refuses_dir_under_a_world_writable_parent(tmp_path):
         CompileCache(shared / "cache", FIELDS).open()
 
 
+def test_refuses_dir_under_a_group_writable_parent_unless_the_group_is_private(tmp_path, monkeypatch):
+    """Found by review: a group-writable parent without the sticky bit (a team's project directory,
+    root:team 2775) passed, and any member could swap the checked cache directory for theirs before
+    the saved trace (a pickle) was loaded. Refused now, unless the group is the user's own private
+    group (umask 002 with per-user groups makes ~/.cache group-writable, letting no one else in)."""
+    from pcg_engine.compile import cache as cache_module
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chmod(team, 0o2775)
+    monkeypatch.setattr(cache_module, "_private_group", lambda gid: False)
+    with pytest.raises(CompileCacheError, match=r"team \(mode 0o2775\) lets the members of group \d+ rename"):
+        CompileCache(team / "cache", FIELDS).open()
+    os.chmod(team, 0o3775)                # sticky: only an entry's owner may rename it
+    sticky = CompileCache(team / "cache", FIELDS)
+    assert sticky.open() == "miss"
+    sticky.close()
+    os.chmod(team, 0o2775)
+    monkeypatch.setattr(cache_module, "_private_group", lambda gid: True)
+    private = CompileCache(team / "cache2", FIELDS)
+    assert private.open() == "miss"       # not refused
+    private.close()
+
+
+def test_private_group_is_the_users_own():
+    """The user-private-group test on this machine's databases: another gid is never private."""
+    from pcg_engine.compile.cache import _private_group
+    grp, pwd = pytest.importorskip("grp"), pytest.importorskip("pwd")
+    user = pwd.getpwuid(os.getuid())
+    try:
+        own = grp.getgrgid(user.pw_gid)
+    except KeyError:
+        pytest.skip("the user's primary group has no entry in the group database")
+    assert _private_group(user.pw_gid) == (own.gr_name == user.pw_name and set(own.gr_mem) <= {user.pw_name})
+    others = [g.gr_gid for g in grp.getgrall() if g.gr_gid != user.pw_gid]
+    assert others and not any(_private_group(gid) for gid in others[:20])
+
+
 def test_symlinked_cache_dir_is_used_through_its_target(tmp_path):
     """A cache directory reached through a symlink in a sticky shared directory (/tmp): whoever made
     the link may replace it at any time. Before, the checks passed on the link's first target (a
