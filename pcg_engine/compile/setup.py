@@ -157,9 +157,13 @@ def _out_of_space(error: BaseException, where: Path) -> bool:
         return False
 
 
-def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets, construct_s: float) -> None:
+def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets, construct_s: float,
+                       wait_for_compiles=lambda: None) -> None:
     """Dynamo and Inductor: the compiled forward's first run, under the compile cache; records
-    their timings (construct_s: making `forward`, which imports Dynamo)."""
+    their timings (construct_s: making `forward`, which imports Dynamo). wait_for_compiles: the
+    background kernel compiles' finish, called before the cache entry is signed: those begun while
+    the entry was active write Triton's cache into it, and a file written during the signing could
+    be signed half-made or vanish under it (the entry then rebuilt, or deleted as unsaved)."""
     config, timings = runner.config, runner.timings
     t0 = time.perf_counter()
     cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
@@ -186,6 +190,9 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
             raise CompileCacheError(f"no space left on the device of {cache.root} while compiling into it "
                                     f"({type(e).__name__}); free space there, choose another directory (or "
                                     "compile_cache=False)") from e
+        w0 = time.perf_counter()
+        wait_for_compiles()
+        waited_s = time.perf_counter() - w0      # the pre-compile's wait, timed there (not Dynamo's)
         if cache is not None:
             try:
                 cache.commit(written=[forward.saved_trace_written] if forward.saved_trace_written else [])
@@ -198,7 +205,7 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
     finally:
         if cache is not None:
             cache.close()
-    compile_s = construct_s + time.perf_counter() - t0
+    compile_s = construct_s + time.perf_counter() - t0 - waited_s
     after = inductor_cache_counters()
     stats = forward.stats
     timings["inductor_s"] = stats.inductor_s
@@ -241,12 +248,18 @@ def setup_compiled_modes(runner, progress=None) -> None:
     # Every Triton variant that capture and warm-up will launch, compiled in threads while Dynamo
     # and Inductor work (engine/precompile.py; None where there is nothing to compile).
     compiles = precompile.start(runner, buckets)
+    waited = []
+
+    def wait_for_compiles():
+        if not waited:
+            waited.append(True)
+            precompile.finish(runner, compiles)
 
     try:
         if mode in COMPILED_MODES:
-            _trace_and_compile(runner, forward, buckets, decode_buckets, construct_s)
+            _trace_and_compile(runner, forward, buckets, decode_buckets, construct_s, wait_for_compiles)
     finally:
-        precompile.finish(runner, compiles)     # also when the compile fails: no thread or hook left behind
+        wait_for_compiles()     # also when the compile fails: no thread or hook left behind
 
     reserved0 = torch.cuda.memory_reserved(runner.device) if cuda else 0
     if cuda and buckets:                # piecewise modes

@@ -879,3 +879,27 @@ def test_compile_writes_no_shared_precompiled_header(tiny_dense, tmp_path, cache
     assert out.stdout.strip().startswith("[")                          # it compiled and generated
     left = [p for p in tmp.rglob("*") if p.is_file()]
     assert left == [], f"files Inductor left in the shared temporary directory: {left}"
+
+
+def test_background_compiles_finish_before_the_entry_is_signed(tiny_dense, tmp_path, monkeypatch):
+    """Found by review: the kernel pre-compile's threads (engine/precompile.py, CUDA only) write
+    Triton's cache into the entry while it is active, and commit() signed the entry before they had
+    finished: a file written meanwhile could be signed half-made (the next start rebuilt the entry)
+    or vanish under the signing (the fresh entry was deleted as unsaved). Now the set-up waits for
+    them first, once, and the wait is not counted as Dynamo's time."""
+    from pcg_engine.compile import cache as cache_module
+    from pcg_engine.engine import precompile
+    events = []
+    background = object()
+    monkeypatch.setattr(precompile, "start", lambda runner, buckets: background)
+    # (the runner's other calls hand finish() no background, None: not recorded)
+    monkeypatch.setattr(precompile, "finish", lambda runner, b: b is background and events.append(("finish", True)))
+    real_commit = cache_module.CompileCache.commit
+
+    def commit(self, *args, **kwargs):
+        events.append(("commit", True))
+        return real_commit(self, *args, **kwargs)
+    monkeypatch.setattr(cache_module.CompileCache, "commit", commit)
+    runner = make_runner(tiny_dense, "compile", compile_cache_dir=str(tmp_path / "cc"))
+    assert events == [("finish", True), ("commit", True)]
+    assert runner.timings["compile_cache_hit"] == 0.0
