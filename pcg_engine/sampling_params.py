@@ -30,6 +30,12 @@ MAX_LOGPROBS = 20
 # request's list sets the table's width for every row: 200,000 ids held 439 MiB at 256 rows for
 # the engine's life. 4,096 (every newline token of a large vocabulary, say) costs ~9 MiB at 256 rows.
 MAX_STOP_TOKEN_IDS = 4096
+# Stop strings a request may give, and their length. Each is searched for in the request's new
+# text every step, and the longest one sets how much text is held back: one request with a million
+# of them slowed every step of its batch 84-fold on the dev machine (a review's probe). OpenAI's API
+# takes 4; these bounds leave room for any real use.
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 1024
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -159,7 +165,14 @@ class SamplingParams:
             except UnicodeEncodeError as e:     # a lone surrogate: no decoded text can ever contain it
                 raise InvalidRequestError("stop", f"item {s!r} is not valid Unicode text: {e.reason} at "
                                           f"character {e.start}") from None
-        return list(items)
+            if len(s) > MAX_STOP_CHARS:
+                raise InvalidRequestError("stop", f"item {s[:20]!r}... has {len(s)} characters; allowed: 1 to "
+                                          f"{MAX_STOP_CHARS}")
+        distinct = list(dict.fromkeys(items))    # a repeat stops nothing more
+        if len(distinct) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"holds {len(distinct)} distinct strings; allowed: at most "
+                                      f"{MAX_STOP_STRINGS}")
+        return distinct
 
     @staticmethod
     def _normalise_stop_token_ids(ids: Any) -> list[int]:

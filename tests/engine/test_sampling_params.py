@@ -68,6 +68,24 @@ def test_stop_token_ids_are_distinct_and_bounded():
     assert str(e.value) == f"stop_token_ids: holds {MAX_STOP_TOKEN_IDS + 1} distinct ids; allowed: at most {MAX_STOP_TOKEN_IDS}"
 
 
+def test_stop_strings_are_distinct_and_bounded():
+    """Found by review: a request with a million stop strings was taken, and its stop search made
+    every step of its batch 84 times slower on the dev machine (the longest string also sets how
+    much text is held back). Repeats are dropped (first occurrence order kept); more distinct
+    strings, or a longer one, than the limits are refused, naming the field and the range."""
+    from pcg_engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+    assert SamplingParams(stop=["b", "a"] * 100_000 + ["c"]).stop == ["b", "a", "c"]
+    many = [f"s{i}" for i in range(MAX_STOP_STRINGS)]
+    assert SamplingParams(stop=many).stop == many
+    assert SamplingParams(stop="x" * MAX_STOP_CHARS).stop == ["x" * MAX_STOP_CHARS]
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_dict({"stop": many + ["one more"]})
+    assert str(e.value) == f"stop: holds {MAX_STOP_STRINGS + 1} distinct strings; allowed: at most {MAX_STOP_STRINGS}"
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(stop=["ok", "y" * (MAX_STOP_CHARS + 1)])
+    assert e.value.field == "stop" and f"has {MAX_STOP_CHARS + 1} characters; allowed: 1 to {MAX_STOP_CHARS}" in str(e.value)
+
+
 def test_stop_strings_need_detokenize():
     """Found by probing: detokenize=False with stop strings still detokenized, returned the text
     and stopped on the strings."""
