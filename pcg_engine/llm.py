@@ -139,10 +139,22 @@ class LLM:
         """Yield one output per step that brought this request new tokens, the last one finished.
 
         Other requests added to the engine meanwhile keep running alongside. Each step holds the
-        engine's lock (not while the caller has the output: another thread's calls run then)."""
-        rid = self.engine.add_request(prompt, sampling_params)
+        engine's lock (not while the caller has the output: another thread's calls run then).
+
+        The request is checked and added here, before the first output is asked for: a bad one
+        raises InvalidRequestError from this call (a server can refuse it before it starts its
+        response; as a generator function, it raised only at the first next()). Closing or
+        dropping the stream before its end aborts the request."""
+        stream = self._stream(self.engine.add_request(prompt, sampling_params))
+        next(stream)             # to the generator's first yield, inside its try: see _stream
+        return stream
+
+    def _stream(self, rid: str) -> Iterator[RequestOutput]:
         done = False
         try:
+            # stream() runs to here: from now on closing the generator (or its collection) runs the
+            # finally below, also before the caller asked for anything.
+            yield None
             while True:
                 with self.engine.lock:
                     mine, others = [], []

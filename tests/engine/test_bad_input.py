@@ -427,6 +427,26 @@ def test_stream_stopped_early_leaves_no_output_behind(llm):
 
 
 
+def test_stream_refuses_a_bad_request_when_called_and_a_dropped_stream_aborts(llm, baseline):
+    """Found by review: stream() was a generator function, so a bad request raised only at the
+    first next(): a server that had begun its streaming response could no longer refuse it. Now
+    the call itself raises (nothing added), and a stream dropped or closed before anything was
+    asked of it aborts its request: no block, row or output left behind, the others unharmed."""
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens:"):
+        llm.stream(_prompt(), {"max_tokens": 0})
+    assert not engine.has_unfinished_requests()
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm.stream(_prompt(), params)                   # dropped at once: collected, its request aborted
+    closed = llm.stream(_prompt(7), params)
+    closed.close()
+    finals, _ = _run_good(engine, bad=None)
+    assert {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()
+            if rid in baseline} == baseline
+    assert [rid for rid in finals if rid not in baseline] == []       # the aborted ones' outputs: not left
+    assert_drained(engine)
+
+
 def test_stream_closed_after_its_final_output_leaves_a_new_request_under_its_id_alone(llm):
     """A stream that has yielded its final output has nothing left to abort. Closed (or collected)
     while suspended at that yield, it aborted whatever request held its id by then: a caller's new
