@@ -88,10 +88,11 @@ class LLMEngine:
             self.model_path = Path(config.model)
         # Loaded on first use (engine/tokenizer.py): importing transformers is seconds of start-up,
         # and token-id prompts without detokenizing never need it.
+        model_config = read_config(self.model_path)    # first: names a missing or unreadable directory
         self.lazy_tokenizer = LazyTokenizer(self.model_path)
         # Before the weights: a broken generation_config.json fails the start in a moment, not after
         # the load, the compile and the capture.
-        self.eos_token_ids = eos_token_ids(self.model_path, self.lazy_tokenizer, read_config(self.model_path).vocab_size)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.lazy_tokenizer, model_config.vocab_size)
         self.runner = ModelRunner(config, self.model_path, self.device, progress)
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len

@@ -17,6 +17,7 @@ Both spellings of renamed fields are accepted: the hub's (`rope_theta`, `num_exp
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -326,10 +327,23 @@ def read_config(path) -> ModelConfig:
             hint = (f"; {str(path)!r} is a preset name: build it with `pcg make-model --preset {path} --out DIR` "
                     "and pass DIR")
         raise CheckpointError(f"{path}: checkpoint directory does not exist{hint}")
+    check_readable(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing (a Hugging Face checkpoint needs config.json)")
     return parse_config(read_json_object(cfg_file), str(cfg_file))   # one object, no key given twice
 
 
-__all__ = ["ModelConfig", "SUPPORTED", "parse_config", "read_config"]
+def check_readable(path: Path) -> None:
+    """A checkpoint directory this user can list and enter. Without that, Path.is_file() on a file
+    inside raised a bare PermissionError naming the file it probed (tokenizer.json, config.json),
+    not the directory whose mode is the cause (found by a review, as a user without the rights)."""
+    try:
+        os.listdir(path)
+        (path / "config.json").exists()       # needs search (x) permission, which listing does not
+    except PermissionError as e:
+        raise CheckpointError(f"{path}: checkpoint directory cannot be read ({e.strerror}); this user needs "
+                              "read and search permission on it (chmod u+rx)") from None
+
+
+__all__ = ["ModelConfig", "SUPPORTED", "check_readable", "parse_config", "read_config"]

@@ -145,6 +145,29 @@ def test_model_that_is_not_a_directory_path_is_named(model):
     assert str(e.value) == f"model: got {model!r}; allowed: None (the bundled tiny model) or a checkpoint directory path"
 
 
+def test_checkpoint_directory_this_user_cannot_read_is_named(tiny_paths, monkeypatch):
+    """Found by review (as a user without the rights; root reads any mode, so the refusal is
+    simulated): a checkpoint directory of mode 000, 444 or 111 failed with a bare PermissionError
+    from Path.is_file() naming tokenizer.json or config.json, not the directory at fault."""
+    import os
+
+    from pcg_engine.errors import CheckpointError
+    from pcg_engine.llm import LLM
+    from pcg_engine.models import model_config
+    path = tiny_paths["tiny-qwen3"]
+    real = os.listdir
+
+    def listdir(p):
+        if os.path.abspath(p) == os.path.abspath(path):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real(p)
+    monkeypatch.setattr(model_config.os, "listdir", listdir)
+    with pytest.raises(CheckpointError) as e:
+        LLM(path, device="cpu")
+    assert str(e.value) == (f"{path}: checkpoint directory cannot be read (Permission denied); this user needs "
+                            "read and search permission on it (chmod u+rx)")
+
+
 def test_model_as_a_path_object_is_taken(tiny_paths):
     from pcg_engine.llm import LLM
     llm = LLM(tiny_paths["tiny-qwen3"], device="cpu", max_model_len=64)      # a pathlib.Path
