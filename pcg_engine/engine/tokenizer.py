@@ -8,6 +8,7 @@ tokenizer_config.json or tokenizer.json give its id). Only when those files leav
 named, a name they do not resolve, two files that disagree) is the tokenizer loaded to ask it.
 """
 
+import numbers
 from pathlib import Path
 
 from pcg_engine.errors import CheckpointError
@@ -33,13 +34,20 @@ def load_tokenizer(path: Path):
         _read_json(path / name)
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:
         # Valid JSON of the wrong structure: which file, only transformers' reason can tell.
         present = [f.name for f in sorted(path.iterdir()) if f.name.startswith(("tokenizer", "special_tokens",
                                                                                  "vocab", "merges"))]
         raise CheckpointError(f"{path}: the tokenizer ({', '.join(present)}) cannot be loaded: "
                               f"{type(e).__name__}: {e}") from e
+    # transformers keeps this field unchecked and compares it with every encoded length: a string
+    # ("4096") loaded, then each text prompt failed with a bare TypeError (found by a review).
+    limit = getattr(tokenizer, "model_max_length", None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Real)):
+        raise CheckpointError(f"{path / 'tokenizer_config.json'}: model_max_length is {limit!r}; allowed: a "
+                              "number of tokens (or no such key)")
+    return tokenizer
 
 
 # Files that hold a vocabulary: a fast tokenizer's, a BPE one's, a SentencePiece model. Without any,

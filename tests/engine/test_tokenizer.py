@@ -277,3 +277,17 @@ def test_a_prompt_past_the_tokenizers_model_max_length_gives_no_transformers_war
         logger.removeHandler(records)
     assert not [m for m in records.messages if "Token indices" in m]
     assert len(out.prompt_token_ids) > llm.tokenizer.model_max_length == 8 and len(out.token_ids) == 2
+
+
+@pytest.mark.parametrize("limit", ["4096", [4096], True])
+def test_model_max_length_that_is_not_a_number_is_named(tok_copy, limit):
+    """Found by review: tokenizer_config.json's model_max_length as a string loaded, then every
+    text prompt failed inside transformers with a bare TypeError ('>' not supported between int and
+    str), naming neither the file nor the field. The load now refuses it."""
+    _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(model_max_length=limit))
+    with pytest.raises(CheckpointError) as info:
+        load_tokenizer(tok_copy)
+    assert str(info.value) == (f"{tok_copy / 'tokenizer_config.json'}: model_max_length is {limit!r}; allowed: a "
+                               "number of tokens (or no such key)")
+    _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(model_max_length=4096))
+    assert load_tokenizer(tok_copy).model_max_length == 4096
