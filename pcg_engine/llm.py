@@ -145,9 +145,9 @@ class LLM:
         raises InvalidRequestError from this call (a server can refuse it before it starts its
         response; as a generator function, it raised only at the first next()). Closing or
         dropping the stream before its end aborts the request."""
-        stream = self._stream(self.engine.add_request(prompt, sampling_params))
-        next(stream)             # to the generator's first yield, inside its try: see _stream
-        return stream
+        outputs = self._stream(self.engine.add_request(prompt, sampling_params))
+        next(outputs)            # to the generator's first yield, inside its try: see _stream
+        return outputs
 
     def _stream(self, rid: str) -> Iterator[RequestOutput]:
         done = False

@@ -86,9 +86,9 @@ class LLMEngine:
             self.model_path = Path(ensure_default_model())
         else:
             self.model_path = Path(config.model)
+        model_config = read_config(self.model_path)    # first: names a missing or unreadable directory
         # Loaded on first use (engine/tokenizer.py): importing transformers is seconds of start-up,
         # and token-id prompts without detokenizing never need it.
-        model_config = read_config(self.model_path)    # first: names a missing or unreadable directory
         self.lazy_tokenizer = LazyTokenizer(self.model_path)
         # Before the weights: a broken generation_config.json fails the start in a moment, not after
         # the load, the compile and the capture.
