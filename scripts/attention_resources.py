@@ -45,11 +45,7 @@ def ptxas_info(task: dict) -> tuple[str, int]:
     kernel = getattr(importlib.import_module(task["module"]), task["name"])
     src = ASTSource(kernel, task["signature"], constexprs=task["constexprs"], attrs=task["attrs"])
     compiled = triton.compile(src, target=sc.TARGET, options=task["options"])
-    from triton.backends.nvidia.compiler import get_ptxas
-    try:
-        ptxas = get_ptxas(sc.TARGET.arch).path
-    except TypeError:   # older Triton: get_ptxas() takes no arch
-        ptxas = get_ptxas().path
+    ptxas = sc.ptxas_path()
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],

@@ -491,7 +491,6 @@ def _inductor_dirs(inductor_dir: Path, triton_dir: Path):
         yield
 
 
-@contextlib.contextmanager
 def _no_shared_headers():
     """Inductor's precompiled C++ headers off while the set-up compiles. Inductor keeps them in
     <tmp>/torchinductor_<user>/precompiled_headers whatever TORCHINDUCTOR_CACHE_DIR says (a path
@@ -501,32 +500,27 @@ def _no_shared_headers():
     serve them. Without the header the same kernels build from the sources under the entry
     (a CPU start of the tiny model took as long either way: 19.5-20.1 s without, 20.7-21.2 with)."""
     import torch._inductor.config as inductor_config
-    name = "cpp_cache_precompile_headers"
-    if not hasattr(inductor_config, name):
-        yield
-        return
-    saved = getattr(inductor_config, name)
-    setattr(inductor_config, name, False)
-    try:
-        yield
-    finally:
-        setattr(inductor_config, name, saved)
+    return _patched([(inductor_config, "cpp_cache_precompile_headers")], False)
 
 
-@contextlib.contextmanager
 def _fx_cache(enabled: bool):
     """Turn Inductor's local FX graph cache (and AOTAutograd's, built on it) on or off."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
-    patches = [(inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache")]
-    saved = [(mod, name, getattr(mod, name)) for mod, name in patches if hasattr(mod, name)]
+    return _patched([(inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache")], enabled)
+
+
+@contextlib.contextmanager
+def _patched(settings, value):
+    """Each (config module, name) of settings that this torch has set to value, restored after."""
+    saved = [(mod, name, getattr(mod, name)) for mod, name in settings if hasattr(mod, name)]
     for mod, name, _ in saved:
-        setattr(mod, name, enabled)
+        setattr(mod, name, value)
     try:
         yield
     finally:
-        for mod, name, value in saved:
-            setattr(mod, name, value)
+        for mod, name, old in saved:
+            setattr(mod, name, old)
 
 
 @contextlib.contextmanager

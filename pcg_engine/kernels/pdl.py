@@ -23,7 +23,8 @@ the launch in between waits first thing: the MoE GEMV's down launch reads the ro
 weights, and its expert rows, before its wait (kernels/moe_gemv.py), since it is launched only after
 every up program has passed its own wait on the routing kernel. The other kernels wait first thing
 and gain only the launch. The wait is executed by every program before any early exit, so a kernel
-never completes before its predecessor has, and the ordering is transitive along the stream. CUDA graphs capture the attribute as programmatic edges.
+never completes before its predecessor has, and the ordering is transitive along the stream. CUDA
+graphs capture the attribute as programmatic edges.
 
 Where: only inside `scope()`, which the full decode graphs' capture enters (compile/full_graph.py),
 and since session 14 each piece graph's capture (compile/cuda_graph.py, PIECE_PDL): piecewise

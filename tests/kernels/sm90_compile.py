@@ -39,16 +39,20 @@ def unavailable() -> str | None:
     if "nvidia" not in triton.backends.backends:
         return "the installed triton has no NVIDIA backend"
     try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        try:
-            ptxas = get_ptxas(TARGET.arch)
-        except TypeError:   # older Triton: get_ptxas() takes no arch
-            ptxas = get_ptxas()
-        if not ptxas.path:
+        if not ptxas_path():
             return "triton finds no ptxas"
     except Exception as e:  # noqa: BLE001 - any failure to locate ptxas means: cannot compile here
         return f"triton finds no ptxas ({type(e).__name__}: {e})"
     return None
+
+
+def ptxas_path() -> str | None:
+    """The ptxas bundled with the installed triton, for TARGET."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    try:
+        return get_ptxas(TARGET.arch).path
+    except TypeError:   # older Triton: get_ptxas() takes no arch
+        return get_ptxas().path
 
 
 @contextmanager
