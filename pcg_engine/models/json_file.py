@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from pcg_engine.errors import CheckpointError
+from pcg_engine.models.regular_file import open_regular
 
 
 class RepeatedKey(Exception):
@@ -43,7 +44,8 @@ def read_json_object(file: Path) -> dict:
     """The file's JSON object; a file that cannot be read, is not JSON, is not an object or gives a
     key twice in one object is a CheckpointError naming it."""
     try:
-        text = Path(file).read_text()
+        with open_regular(Path(file)) as f:
+            text = f.read().decode("utf-8")
         data = json.loads(text, object_pairs_hook=refuse_repeats)
     except OSError as e:
         raise CheckpointError(f"{file}: unreadable ({e})") from None

@@ -9,6 +9,7 @@ Every failure names the file and the tensor or field; a failed load leaves no mo
 """
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from pcg_engine.models.fuse import fuse as fuse_model
 from pcg_engine.models.json_file import read_json_object
 from pcg_engine.models.model_config import ModelConfig, read_config
 from pcg_engine.models.qwen3 import Qwen3ForCausalLM
+from pcg_engine.models.regular_file import kind_of
 from pcg_engine.models.safetensors_reader import DTYPES, read_header, read_into
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -56,7 +58,8 @@ def weight_files(path: Path) -> list[Path]:
             if not Path(os.path.normpath(f)).is_relative_to(Path(os.path.normpath(path))):
                 raise CheckpointError(f"{index}: weight file {f.name!r} ({f}) is outside the checkpoint directory")
             if not f.is_file():
-                raise CheckpointError(f"{f}: listed in {index.name} but missing")
+                what = f"is {kind_of(f.stat().st_mode)}" if f.exists() else "missing"
+                raise CheckpointError(f"{f}: listed in {index.name} but {what}")
         # transformers reads model.safetensors when there is one and ignores the index: beside an
         # index that names other shards, the two would load different weights from one directory.
         single = path / "model.safetensors"
@@ -72,12 +75,38 @@ def weight_files(path: Path) -> list[Path]:
         return [single]
     files = sorted(path.glob("*.safetensors"))
     if files:
+        _check_shard_series(path, files)
         return files
     pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
     if pickled:
         raise CheckpointError(f"{path}: only pickled weights found ({', '.join(pickled)}); they can execute "
                               "code when loaded and are refused. Convert them to safetensors.")
     raise CheckpointError(f"{path}: no *.safetensors weight files")
+
+
+_SHARD_NAME = re.compile(r"^(.*)-(\d+)-of-(\d+)\.safetensors$")
+
+
+def _check_shard_series(path: Path, files: list[Path]) -> None:
+    """Shards named NAME-0000i-of-0000n without their index: each of the n must be there. One lost in
+    a copy was reported as "config.json describes more weights than the files hold" or as missing
+    tensors, which blames config.json rather than the missing file."""
+    series: dict[tuple[str, str], set[int]] = {}     # (stem, "0000n") -> the i present
+    for f in files:
+        m = _SHARD_NAME.match(f.name)
+        if m:
+            series.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    for (stem, total), have in sorted(series.items()):
+        n = int(total)
+        lost = n - len({i for i in have if 1 <= i <= n})
+        if lost:
+            # The first three gaps, found in at most len(have) + 3 steps (a name may claim 10**11 shards).
+            first = itertools.islice((i for i in itertools.count(1) if i not in have), min(lost, 3))
+            shown = ", ".join(f"{stem}-{i:0{len(total)}d}-of-{total}.safetensors" for i in first)
+            more = f" and {lost - 3} more" if lost > 3 else ""
+            raise CheckpointError(f"{path}: shard(s) {shown}{more} missing: the directory holds {n - lost} of the "
+                                  f"{n} shards of {stem}-*-of-{total}.safetensors and no "
+                                  "model.safetensors.index.json")
 
 
 class _Targets:

@@ -18,11 +18,13 @@ import dataclasses
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.json_file import read_json_object
+from pcg_engine.models.regular_file import kind_of
 
 SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _REQUIRED = object()
@@ -339,11 +341,22 @@ def check_readable(path: Path) -> None:
     inside raised a bare PermissionError naming the file it probed (tokenizer.json, config.json),
     not the directory whose mode is the cause (found by a review, as a user without the rights)."""
     try:
-        os.listdir(path)
+        names = os.listdir(path)
         (path / "config.json").exists()       # needs search (x) permission, which listing does not
     except PermissionError as e:
         raise CheckpointError(f"{path}: checkpoint directory cannot be read ({e.strerror}); this user needs "
                               "read and search permission on it (chmod u+rx)") from None
+    # A named pipe, socket or device among the files: the tokenizer library's open() of one blocked
+    # the load for good, and Path.is_file() called a config.json pipe "missing". A directory holds
+    # a few dozen entries at most; one stat each, symlinks followed (a hub snapshot's are).
+    for name in names:
+        try:
+            mode = os.stat(path / name).st_mode
+        except OSError:
+            continue                          # a dangling link: the file's own reader names it if needed
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise CheckpointError(f"{path / name}: is {kind_of(mode)}; a checkpoint directory holds regular "
+                                  "files and folders (reading this one would block the load)")
 
 
 __all__ = ["ModelConfig", "SUPPORTED", "check_readable", "parse_config", "read_config"]

@@ -25,6 +25,7 @@ import torch
 
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.json_file import beyond_json_limits
+from pcg_engine.models.regular_file import open_regular
 
 CHUNK = 64 << 20
 _MAX_HEADER = 100 << 20      # safetensors' own limit
@@ -56,8 +57,8 @@ def read_header(path: Path) -> list[Entry]:
     """The tensors of a shard in file order, validated against the file's size."""
     path = Path(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
@@ -125,7 +126,21 @@ def read_header(path: Path) -> list[Entry]:
                                   "each tensor has bytes of its own")
         if last is None or entry.end > last.end:
             last = entry
+    # Bytes no tensor holds, between tensors or after the last: safetensors refuses such a file
+    # ("invalid offset", "file not fully covered"), so transformers would not load what this
+    # reader took, and the bytes may be a tensor the header lost (a damaged or mis-assembled shard).
+    pos = start
+    for entry in entries:
+        if entry.begin > pos:
+            raise CheckpointError(f"{path}: data bytes {pos - start}..{entry.begin - start} belong to no tensor "
+                                  f"(before {entry.name!r}); a safetensors file's tensors cover its data without "
+                                  "holes")
+        pos = max(pos, entry.end)
+    if pos != size:
+        raise CheckpointError(f"{path}: {size - pos} bytes after the last tensor's data (which ends at byte {pos}); "
+                              "a safetensors file ends with its last tensor (damaged or appended to?)")
     return entries
+
 
 
 def _count(v) -> bool:
@@ -217,7 +232,7 @@ def read_into(path: Path, targets: list[tuple[Entry, torch.Tensor]], device: tor
     if not targets:
         return
     cuda = device.type == "cuda"
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         if cuda or stream:
             if cuda:
                 with torch.cuda.device(device):

@@ -829,3 +829,77 @@ def test_engine_refuses_a_generation_config_eos_beyond_the_vocabulary(ckpt_copy,
         LLM(str(ckpt_copy), device="cpu", max_num_seqs=2, max_model_len=32)
     assert str(info.value) == (f"{file}: field 'eos_token_id' is ['x', 99999]; allowed: a token id in 0..1023 "
                                "(config.json's vocab_size), a list of them, or null")
+
+
+def _split_into_shards(ckpt, n: int, width: int = 5) -> list[str]:
+    """model.safetensors -> n shards named model-0000i-of-0000n.safetensors, no index."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = [f"model-{i + 1:0{width}d}-of-{n:0{width}d}.safetensors" for i in range(n)]
+    for i, shard in enumerate(shards):
+        save_file({k: tensors[k] for k in names[i::n]}, str(ckpt / shard), metadata={"format": "pt"})
+    return shards
+
+
+def test_shards_without_an_index_all_there_load(ckpt_copy):
+    expected = load_model(ckpt_copy, device="cpu", dtype=torch.float32).state_dict()
+    _split_into_shards(ckpt_copy, 3)
+    got = load_model(ckpt_copy, device="cpu", dtype=torch.float32).state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("lose, expected", [
+    ([1], "shard(s) model-00002-of-00004.safetensors missing: the directory holds 3 of the 4 shards of "
+          "model-*-of-00004.safetensors and no model.safetensors.index.json"),
+    ([0, 2, 3], "shard(s) model-00001-of-00004.safetensors, model-00003-of-00004.safetensors, "
+                "model-00004-of-00004.safetensors missing: the directory holds 1 of the 4 shards"),
+])
+def test_shards_without_an_index_name_the_lost_one(ckpt_copy, lose, expected):
+    """Found by a review: a shard lost in a copy, without an index, was reported as "config.json is
+    not of these weights" (or as missing tensors), blaming config.json for the missing file."""
+    shards = _split_into_shards(ckpt_copy, 4)
+    for i in lose:
+        (ckpt_copy / shards[i]).unlink()
+    msg = load_error(ckpt_copy)
+    assert msg.startswith(f"{ckpt_copy}: {expected}"), msg
+
+
+def test_a_name_claiming_countless_shards_is_named_at_once(ckpt_copy):
+    """The gaps are listed without walking every number a file name claims."""
+    (ckpt_copy / "model.safetensors").rename(ckpt_copy / "model-00001-of-99999999999.safetensors")
+    msg = load_error(ckpt_copy)
+    assert "model-00000000002-of-99999999999.safetensors, model-00000000003-of-99999999999.safetensors, " in msg
+    assert "and 99999999995 more missing: the directory holds 1 of the 99999999999 shards" in msg
+
+
+def _load_error_or_block(path):
+    from named_pipes import error_of
+    from pcg_engine.llm import LLM
+    return error_of(lambda: LLM(path, device="cpu", max_model_len=64), path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_a_named_pipe_in_the_checkpoint_is_refused(ckpt_copy, name):
+    """Found by a review: a named pipe in a file's place blocked the load for good (open() waits for
+    a writer), in our readers and in the tokenizer library's."""
+    import os
+    (ckpt_copy / name).unlink()
+    os.mkfifo(ckpt_copy / name)
+    error = _load_error_or_block(ckpt_copy)
+    assert isinstance(error, CheckpointError), error
+    assert str(error) == (f"{ckpt_copy / name}: is a named pipe; a checkpoint directory holds regular files and "
+                          "folders (reading this one would block the load)")
+
+
+def test_a_named_pipe_listed_by_the_index_is_refused(ckpt_copy):
+    import os
+    (ckpt_copy / "w").mkdir()
+    os.mkfifo(ckpt_copy / "w" / "model-00001-of-00001.safetensors")
+    (ckpt_copy / "model.safetensors").unlink()
+    (ckpt_copy / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {K: "w/model-00001-of-00001.safetensors"}}))
+    error = _load_error_or_block(ckpt_copy)
+    assert str(error) == (f"{ckpt_copy / 'w' / 'model-00001-of-00001.safetensors'}: listed in "
+                          "model.safetensors.index.json but is a named pipe")

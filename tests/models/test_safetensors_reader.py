@@ -119,11 +119,49 @@ def test_overlapping_tensors_are_refused(tmp_path):
         read_header(path)
     assert str(info.value) == (f"{path}: tensors 'a' (data bytes 0..16) and 'b' (data bytes 8..24) overlap; "
                                "each tensor has bytes of its own")
-    # Adjacent, with an empty tensor and a gap between: taken.
+    # Adjacent, with an empty tensor between: taken.
     write_raw(path, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
                      "e": {"dtype": "F32", "shape": [0], "data_offsets": [16, 16]},
-                     "b": {"dtype": "F32", "shape": [1], "data_offsets": [20, 24]}}, b"\0" * 24)
+                     "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}}, b"\0" * 24)
     assert [e.name for e in read_header(path)] == ["a", "e", "b"]
+
+
+@pytest.mark.parametrize("header, size, message", [
+    pytest.param({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                  "b": {"dtype": "F32", "shape": [1], "data_offsets": [20, 24]}}, 24,
+                 "data bytes 16..20 belong to no tensor (before 'b')", id="hole"),
+    pytest.param({"b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, 8,
+                 "data bytes 0..4 belong to no tensor (before 'b')", id="hole-first"),
+    pytest.param({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 24,
+                 "8 bytes after the last tensor's data", id="trailing"),
+])
+def test_bytes_no_tensor_holds_are_refused(tmp_path, header, size, message):
+    """Found by a review: a file with a hole between tensors or bytes after the last loaded, where
+    safetensors (and so transformers) refuses it; the bytes may be a tensor its header lost."""
+    path = tmp_path / "holes.safetensors"
+    write_raw(path, header, b"\0" * size)
+    with pytest.raises(CheckpointError, match=r"safetensors file") as info:
+        read_header(path)
+    assert str(info.value).startswith(f"{path}: ") and message in str(info.value), str(info.value)
+    with pytest.raises(Exception):     # the reference refuses it too
+        load_file(str(path))
+
+
+@pytest.mark.parametrize("reader", ["header", "into"])
+def test_a_named_pipe_is_refused_not_waited_on(tmp_path, shard, reader):
+    """Found by a review: a named pipe as a shard blocked the load in open() for good (until
+    something wrote to it). Run in a thread so a regression fails instead of hanging the suite."""
+    import os
+
+    from named_pipes import error_of
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    entries = read_header(shard)
+    dest = torch.empty(entries[0].shape, dtype=entries[0].dtype)
+    error = error_of(lambda: read_header(fifo) if reader == "header" else
+                     read_into(fifo, [(entries[0], dest)], torch.device("cpu")), tmp_path, timeout=20)
+    assert isinstance(error, CheckpointError), error
+    assert str(error) == f"{fifo}: is a named pipe; a checkpoint's files are regular files"
 
 
 @pytest.mark.parametrize("blob, message", [
