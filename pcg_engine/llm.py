@@ -49,6 +49,10 @@ class LLM:
         with the engine: its next step() returns them first."""
         # One prompt: text, or token ids, which add_request also takes as numpy integers or a 1-D
         # array or tensor (those were read as a list of prompts, or refused as 'got ndarray').
+        # A 1-D numpy array of text (or objects) is a list of prompts: taken as one, it was refused
+        # as "a list of N strings; ... LLM.generate takes a list of prompts".
+        if getattr(prompts, "ndim", None) == 1 and getattr(getattr(prompts, "dtype", None), "kind", None) in ("U", "S", "O"):
+            prompts = prompts.tolist()
         if (isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1
                 or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral))):
             prompts = [prompts]

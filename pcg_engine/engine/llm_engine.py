@@ -237,6 +237,11 @@ class LLMEngine:
     def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
         if prompt is not None and prompt_token_ids is not None:
             raise InvalidRequestError("prompt", "give either prompt or prompt_token_ids, not both")
+        for field, value in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids)):
+            # A memoryview has ndim and tolist: one of bytes was taken as token ids (b"hi" -> [104, 105]).
+            if isinstance(value, memoryview):
+                raise InvalidRequestError(field, "is a memoryview; give text as a str (decode bytes first) or "
+                                          "token ids as a list, a 1-D numpy array or a tensor")
         if prompt_token_ids is None:
             if isinstance(prompt, str):
                 if prompt == "":

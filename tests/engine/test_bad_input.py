@@ -105,6 +105,11 @@ CASES = [
     # not an integer".
     ("text-list", lambda e: e.add_request(["a", "b"], None), "prompt", r"is a list of 2 strings; one request takes one prompt"),
     ("prompt-and-ids", lambda e: e.add_request("hi", None, prompt_token_ids=[5, 6]), "prompt", r"not both"),
+    # Found by a review: a memoryview has ndim and tolist, so one of bytes was read as token ids.
+    ("prompt-memoryview", lambda e: e.add_request(memoryview(b"\x05\x06"), None), "prompt",
+     r"is a memoryview; give text as a str \(decode bytes first\) or token ids as a list"),
+    ("ids-kw-memoryview", lambda e: e.add_request(prompt_token_ids=memoryview(b"\x05\x06")), "prompt_token_ids",
+     r"is a memoryview"),
     # Found by probing: prompt_token_ids= took any iterable (a dict's keys, a set in hash order),
     # raised a bare TypeError for an int, and read a string as a list of text prompts.
     ("ids-kw-int", lambda e: e.add_request(prompt_token_ids=5), "prompt_token_ids",
@@ -563,6 +568,23 @@ def test_numpy_ids_and_numbers_are_taken_as_plain_ones(llm):
     with pytest.raises(InvalidRequestError, match="prompt_token_ids: token 5.0 at position 0 is not an integer"):
         engine.add_request(np.array([5.0, 6.0]), None)
     assert_drained(engine)
+
+
+def test_generate_takes_a_numpy_array_of_text_as_prompts(llm):
+    """Found by a review: a 1-D numpy array of strings was taken as one prompt and refused as
+    "a list of 2 strings; ... LLM.generate takes a list of prompts" - in a call to LLM.generate.
+    Each element is a prompt, as in a list."""
+    import numpy as np
+    if not llm.engine.lazy_tokenizer.available:
+        pytest.skip("the checkpoint has no tokenizer")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    texts = ["hello there", "one two three"]
+    want = [o.token_ids for o in llm.generate(texts, params)]
+    for prompts in (np.array(texts), np.array(texts, dtype=object)):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    with pytest.raises(InvalidRequestError, match="prompt: expected a string or a list of token ids, got bytes"):
+        llm.generate(np.array([b"hello"]), params)
+    assert_drained(llm.engine)
 
 
 def test_generate_refuses_an_on_output_that_is_not_callable_before_running(llm):
