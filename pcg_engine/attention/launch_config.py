@@ -9,10 +9,11 @@ warm-up (engine/warmup.py) cannot disagree.
 """
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
+
+from pcg_engine import switches
 
 MAX_SPLITS = 64
 
@@ -52,11 +53,11 @@ GRAPH_SPLIT_DECODE_TUNING = DecodeTuning(fused_merge=False)
 # The fused merge's tail grows with the split count (see graph_num_splits). PCG_GRAPH_SPLITS=1
 # turns split-KV inside graphs off, another value moves the cap (an A/B switch for benchmarks,
 # read at import).
-MAX_GRAPH_SPLITS = max(1, min(int(os.environ.get("PCG_GRAPH_SPLITS", "16")), MAX_SPLITS))
+MAX_GRAPH_SPLITS = max(1, min(int(switches.read("PCG_GRAPH_SPLITS", "16")), MAX_SPLITS))
 # Waves of programs graph_num_splits aims at. One wave is enough for batch 1's short contexts; P2's
 # tail phases (16-128 requests of 1-2k keys, 1.4-2x the KV-read floor) may want more programs to
 # even out requests of unequal length: PCG_GRAPH_SPLIT_WAVES is the A/B switch (read at import).
-GRAPH_SPLIT_WAVES = max(1, int(os.environ.get("PCG_GRAPH_SPLIT_WAVES", "1")))
+GRAPH_SPLIT_WAVES = max(1, int(switches.read("PCG_GRAPH_SPLIT_WAVES", "1")))
 
 
 def _tile_config(head_dim: int, group: int, max_query_len: int, tuning: DecodeTuning):
@@ -88,7 +89,7 @@ def _cuda_sms(index: int) -> int:   # asked per layer per eager step: a property
 # Qwen3-0.6B piecewise (eager attention between the graphs) 1.218 / 1.220 ms a token with 8 against
 # 1.179 / 1.172 with 4, alternated in one call on the H200; 8 dated from when the merge's second
 # launch cost tens of µs of host a layer. PCG_EAGER_SPLIT_MIN_TILES moves it (A/B switch, read at import).
-EAGER_SPLIT_MIN_TILES = max(2, int(os.environ.get("PCG_EAGER_SPLIT_MIN_TILES", "4")))
+EAGER_SPLIT_MIN_TILES = max(2, int(switches.read("PCG_EAGER_SPLIT_MIN_TILES", "4")))
 
 
 def choose_num_splits(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int,
@@ -134,7 +135,7 @@ def graph_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devic
 # trip (~1-2 us) off each layer's attention, batch-1 full_decode -30 to -50 us a step; measured
 # (with the metadata reads before the wait, docs/PERF.md session 23): Qwen3-0.6B -29.5 us, 8B -26 us.
 # PCG_PDL_PREFETCH_TILES=0 turns it off (an A/B switch, read at import).
-PDL_PREFETCH_TILES = max(0, int(os.environ.get("PCG_PDL_PREFETCH_TILES", "2")))
+PDL_PREFETCH_TILES = max(0, int(switches.read("PCG_PDL_PREFETCH_TILES", "2")))
 
 
 class KernelVariant(NamedTuple):

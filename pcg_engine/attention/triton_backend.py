@@ -25,12 +25,12 @@ holds them, which an Inductor graph that reuses its buffers would not respect. O
 PCG_FUSED_ROPE_ATTENTION=1 (read at import; measured slower in the model, see FUSED_ROPE_ATTENTION).
 """
 
-import os
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 
+from pcg_engine import switches
 from pcg_engine.attention.backend import AttentionBackend
 from pcg_engine.attention.launch_config import (GRAPH_SPLIT_DECODE_TUNING, choose_num_splits, graph_num_splits,
                                                  kernel_variant)
@@ -45,7 +45,7 @@ from pcg_engine.errors import ConfigError
 # from a cold L2 (bench_kernels --only rope_attention: 9.6 vs 10.7 us at 384 keys) and slower
 # back to back (8.8 vs 7.8): every split program repeats the q (and the owner the k) norm + RoPE
 # prologue, which PDL no longer hides. PCG_FUSED_ROPE_ATTENTION=1 turns it on (A/B runs).
-FUSED_ROPE_ATTENTION = os.environ.get("PCG_FUSED_ROPE_ATTENTION", "0") == "1"
+FUSED_ROPE_ATTENTION = switches.read("PCG_FUSED_ROPE_ATTENTION", "0") == "1"
 
 
 class _DeferredRope(NamedTuple):

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from pcg_engine import _sources
+from pcg_engine import _sources, switches
 from pcg_engine.cache_home import cache_home
 from pcg_engine.compile import saved_trace
 from pcg_engine.errors import PcgError
@@ -132,9 +132,12 @@ _NOT_SWITCHES = {"PCG_COMMIT", "PCG_STARTUP_PROFILE", "PCG_PRECOMPILE", "PCG_PRE
 
 
 def _switches() -> dict:
-    return {k: v for k, v in sorted(os.environ.items())
-            if (k.startswith("PCG_") and k not in _NOT_SWITCHES)
-            or (k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")}
+    # The PCG_* switches as this process runs them: those read at import as they were read then
+    # (pcg_engine/switches.py), not as the environment may say now.
+    settings = {k: v for k, v in switches.effective().items() if k not in _NOT_SWITCHES}
+    settings.update((k, v) for k, v in os.environ.items()
+                    if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")
+    return dict(sorted(settings.items()))
 
 
 def check_private(path: Path) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pcg_engine import switches
 from pcg_engine.kernels import pdl
 
 # PDL inside the piece graphs (kernels/pdl.py): the kernels of a piece (o_proj, add + norm + gate_up,
@@ -44,7 +45,7 @@ from pcg_engine.kernels import pdl
 # sizes) launches stay plain. Measured on the H200 (session 14, P1 Qwen3-0.6B piecewise, alternated):
 # 1.229 / 1.167 ms a token without, 1.054 / 1.064 with. PCG_PIECE_PDL=0 turns it off (A/B switch,
 # read at import).
-PIECE_PDL = os.environ.get("PCG_PIECE_PDL", "1") != "0"
+PIECE_PDL = switches.read("PCG_PIECE_PDL", "1") != "0"
 
 
 class GraphPool:

@@ -20,11 +20,11 @@ leave alone.
 """
 
 import contextlib
-import os
 import time
 
 import torch
 
+from pcg_engine import switches
 from pcg_engine.attention.context import ForwardContext, set_forward_context
 from pcg_engine.attention.metadata import AttentionMetadata
 from pcg_engine.compile.cuda_graph import GraphPool, capture
@@ -44,7 +44,7 @@ from pcg_engine.kernels import pdl
 # PCG_FULL_GRAPH_WARMUP_EVERY=0|1 are read at import, for A/B runs.
 def _warmups_switch() -> int:
     try:
-        return max(1, int(os.environ.get("PCG_FULL_GRAPH_WARMUPS", "1")))
+        return max(1, int(switches.read("PCG_FULL_GRAPH_WARMUPS", "1")))
     except ValueError:   # an A/B switch set wrong must not stop the engine from starting
         return 1
 
@@ -53,7 +53,7 @@ DEFAULT_WARMUPS = _warmups_switch()
 
 
 def _warm_every_switch() -> bool:
-    return os.environ.get("PCG_FULL_GRAPH_WARMUP_EVERY", "1") != "0"
+    return switches.read("PCG_FULL_GRAPH_WARMUP_EVERY", "1") != "0"
 
 
 WARM_EVERY_BUCKET = _warm_every_switch()

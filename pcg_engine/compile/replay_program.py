@@ -40,13 +40,12 @@ PCG_REPLAY_PROGRAM=0 (read at import) keeps the traced path for every forward (A
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from pcg_engine import switches
 from pcg_engine.attention.context import get_forward_context
 
-ENABLED = os.environ.get("PCG_REPLAY_PROGRAM", "1") != "0"
+ENABLED = switches.read("PCG_REPLAY_PROGRAM", "1") != "0"
 
 
 class Tape:

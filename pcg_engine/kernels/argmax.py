@@ -23,18 +23,18 @@ device-to-host copy of them, one torch call fewer on its host path.
 """
 
 import ctypes
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from pcg_engine import switches
 from pcg_engine.kernels import fast_launch
 
 CHUNK = 2048
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # exact in the kernel's fp32 compare
 # PCG_TRITON_ARGMAX=0: greedy steps take torch.argmax (an A/B switch for benchmarks, read at import).
-ENABLED = os.environ.get("PCG_TRITON_ARGMAX", "1") != "0"
+ENABLED = switches.read("PCG_TRITON_ARGMAX", "1") != "0"
 
 
 @triton.jit

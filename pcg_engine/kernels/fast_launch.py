@@ -67,6 +67,7 @@ from contextvars import ContextVar
 import torch
 import triton
 
+from pcg_engine import switches
 from pcg_engine.kernels import triton_interpreting
 
 __all__ = ["ENABLED", "LaunchCache", "RecordedLaunch", "current_stream", "jit_launch", "jit_only", "launch",
@@ -90,7 +91,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton without knobs predates every verified version
     _RUNTIME, JITFunction = None, ()
 
-ENABLED = (os.environ.get("PCG_FAST_LAUNCH", "1") != "0"
+ENABLED = (switches.read("PCG_FAST_LAUNCH", "1") != "0"
            and not triton_interpreting()
            and _version(triton.__version__) in VERIFIED and _RUNTIME is not None)
 

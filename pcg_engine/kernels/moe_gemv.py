@@ -29,13 +29,13 @@ buckets (1, 2, 4, 8, 16, ...) it does: 8 tokens at top-8, 32 at top-2.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from pcg_engine import switches
 from pcg_engine.kernels import pdl, triton_interpreting
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
@@ -45,13 +45,13 @@ from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 GEMV_MAX_ASSIGNMENTS = 64
 # PCG_MOE_GEMV=0: the grouped GEMM at every size (an A/B switch for benchmarks, read at import; the
 # compile cache's key covers PCG_* switches).
-ENABLED = os.environ.get("PCG_MOE_GEMV", "1") != "0"
+ENABLED = switches.read("PCG_MOE_GEMV", "1") != "0"
 # With PDL, the k-slices of expert rows the down launch loads before gdc_wait (0-2; see its kernel):
 # its weight stream then overlaps the up launch's tail. Qwen3-30B-A3B's first 8 layers, P1
 # full_decode on the H200 (docs/PERF.md, session 36, call 2), ms a token, alternated twice:
 # 0 slices 0.574 / 0.571, one 0.569 / 0.568, two 0.574 / 0.577 (86 registers against 72: fewer
 # programs resident). PCG_MOE_DOWN_PRELOAD is the A/B switch (read at import).
-DOWN_PRELOAD = max(0, min(2, int(os.environ.get("PCG_MOE_DOWN_PRELOAD", "1"))))
+DOWN_PRELOAD = max(0, min(2, int(switches.read("PCG_MOE_DOWN_PRELOAD", "1"))))
 
 
 @dataclass(frozen=True)

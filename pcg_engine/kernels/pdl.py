@@ -42,7 +42,6 @@ pass `**launch_kwargs(device)`, so both halves always agree.
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import contextmanager
 
 import torch
@@ -50,11 +49,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pcg_engine import switches
 from pcg_engine.kernels import triton_interpreting
 
 __all__ = ["active", "enabled", "launch_kwargs", "scope", "gdc_wait", "gdc_launch_dependents", "prefetch_l2"]
 
-_WANTED = os.environ.get("PCG_PDL", "1") != "0" and not triton_interpreting()
+_WANTED = switches.read("PCG_PDL", "1") != "0" and not triton_interpreting()
 
 
 @functools.lru_cache(maxsize=None)

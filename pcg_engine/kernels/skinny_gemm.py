@@ -22,13 +22,13 @@ keeps F.linear. The kernel serves only CUDA: the CPU path is F.linear.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from pcg_engine import switches
 from pcg_engine.kernels import pdl
 from pcg_engine.kernels.activation import silu_and_mul
 from pcg_engine.kernels.pdl import gdc_launch_dependents, gdc_wait
@@ -44,7 +44,7 @@ MAX_M = 16   # more rows than this and the projection is no longer weight-bound 
 # session 5's rule (an A/B switch for benchmarks, read at import).
 MAX_PRELOAD = 4
 PRELOAD_PER_THREAD = 64
-_PRELOAD_WIDE = os.environ.get("PCG_SKINNY_PRELOAD", "1") != "0"
+_PRELOAD_WIDE = switches.read("PCG_SKINNY_PRELOAD", "1") != "0"
 
 
 def preload_slices(block_n: int, block_k: int, k: int, num_warps: int) -> int:
@@ -217,7 +217,7 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
 # call 3, docs/PERF.md), so 8B stays on cuBLAS.
 
 # PCG_SKINNY_GEMM=0 keeps F.linear everywhere (an A/B switch for benchmarks, read at fuse time).
-ENABLED = os.environ.get("PCG_SKINNY_GEMM", "1") != "0"
+ENABLED = switches.read("PCG_SKINNY_GEMM", "1") != "0"
 
 
 def row_bucket(m: int) -> int:

@@ -903,3 +903,25 @@ def test_background_compiles_finish_before_the_entry_is_signed(tiny_dense, tmp_p
     runner = make_runner(tiny_dense, "compile", compile_cache_dir=str(tmp_path / "cc"))
     assert events == [("finish", True), ("commit", True)]
     assert runner.timings["compile_cache_hit"] == 0.0
+
+
+def test_switches_read_at_import_are_keyed_as_read(tmp_path):
+    """Found by a review: the key read the PCG_* switches from the environment at set-up, while
+    several modules had read theirs at import. A process that changed its environment in between
+    stored an entry under the variant it did not run (here, the skinny GEMM switched off by name
+    while the traced model still calls it), and a later start with that setting loaded it."""
+    code = ("import os, json; import pcg_engine.kernels.skinny_gemm as s; from pcg_engine.compile import cache; "
+            "{change}; print(json.dumps([s.ENABLED, cache._switches()]))")
+
+    def run(change="pass", **env):
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PCG_")}
+        out = subprocess.run([sys.executable, "-c", code.format(change=change)], env={**base, **env}, check=True,
+                             capture_output=True, text=True).stdout
+        return json.loads(out)
+    default, off = run(), run(PCG_SKINNY_GEMM="0")
+    assert default[0] is True and off[0] is False and default[1] != off[1]
+    # Switched off after the import: the module runs enabled, and the key says so.
+    assert run("os.environ['PCG_SKINNY_GEMM'] = '0'") == default
+    assert run("del os.environ['PCG_SKINNY_GEMM']", PCG_SKINNY_GEMM="0") == off
+    # A switch read where it is used (not at import) is keyed as the environment says at set-up.
+    assert run("os.environ['PCG_SPLIT_K'] = '0'")[1] == {**default[1], "PCG_SPLIT_K": "0"}
