@@ -273,8 +273,10 @@ def run_mode(llm, args, name: str, prepared=None, slos=None) -> dict:
     if args.warmup:
         warm = build_dataset(args, llm, args.warmup, args.seed + 1000, prepared)
         # (with the run's --detokenize: the first detokenizing requests paid the tokenizer's warm-up)
+        # Each prompt with its own output length, capped: with the first one's for all, a dataset
+        # line of a long prompt and a short output went past max_model_len and ended the run.
         llm.generate([ids for ids, _ in warm],
-                     common.bench_params(min(warm[0][1], 16), args.temperature, args.detokenize))
+                     [common.bench_params(min(out, 16), args.temperature, args.detokenize) for _, out in warm])
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=Console(stderr=True), disable=args.no_progress) as progress:
         probe_before = cpu_probe.probe()

@@ -194,6 +194,19 @@ def test_load_test_jsonl_dataset(tmp_path):
     assert data["requests"][1]["prompt_len"] == 4
 
 
+def test_load_test_warmup_gives_each_dataset_line_its_own_output_length(tmp_path):
+    """Found by a review: the warm-up gave every request the first line's output length (capped at
+    16), so a later line of a long prompt and a short output went past max_model_len and ended the
+    run before anything was measured, though the line fits."""
+    ds = tmp_path / "prompts.jsonl"
+    ds.write_text(json.dumps({"prompt": [5, 6, 7], "output_len": 16}) + "\n"
+                  + json.dumps({"prompt": list(range(10, 70)), "output_len": 2}) + "\n")
+    out = tmp_path / "load.json"
+    assert load_test.main(["--device", "cpu", "--modes", "eager", "--dataset", str(ds), "--max-model-len", "64",
+                           "--warmup", "2", "--no-progress", "--json", str(out)]) == 0
+    assert [r["output_len"] for r in read(out)["requests"]] == [16, 2]
+
+
 def test_load_test_dataset_runs_start_from_a_cold_prefix_cache(tmp_path):
     """Found by probing: the warm-up sent the dataset's first prompts, which the measured run then
     sent again and found in the prefix cache, and each sweep trial found the blocks of the runs
