@@ -670,6 +670,9 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
     # the requests ran in turns under the title "batch 3", before
     (["latency", "--batch-size", "3", "--max-num-seqs", "1"], "error: --batch-size: 3 requests at once, but "
      "--max-num-seqs 1 runs at most that many"),
+    # the same with max_num_seqs left at its default (found by a review: 300 ran as "batch 300")
+    (["latency", "--batch-size", "300"], "error: --batch-size: 300 requests at once, but --max-num-seqs 256 "
+     "(the default) runs at most that many"),
     # "must be a number > 0, got inf", before
     (["load-test", "--burstiness", "inf"], "--burstiness must be a finite number > 0, got inf"),
     # the known configs in a new order each run, before
