@@ -123,6 +123,13 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
                     unsupported = other_engines_option(key)
                     if unsupported is not None:
                         raise SystemExit(f"--prompts-file: line {number}: {unsupported}")
+                    # Sampling fields nested in an object, as other APIs' request bodies hold them
+                    # ({"sampling_params": {"max_tokens": 2}}): ignored with the object, before.
+                    nested = [k for k in obj[key] if k in names] if isinstance(obj[key], dict) else []
+                    if nested and key not in names:
+                        raise SystemExit(f"--prompts-file: line {number}: {key!r} holds sampling fields "
+                                         f"({', '.join(nested)}); give them at the top level of the line, beside "
+                                         "'prompt'")
                     meant = misspelt_field(key, names) if key not in names else None
                     if meant is not None:
                         raise SystemExit(f"--prompts-file: line {number}: {key!r} is not a sampling field; did you "

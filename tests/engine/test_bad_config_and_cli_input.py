@@ -315,6 +315,19 @@ def test_prompts_file_misspelt_sampling_field_is_refused(tmp_path, key, meant):
     assert _read_prompts(_args(path)) == ["ok"]
 
 
+@pytest.mark.parametrize("key", ["sampling_params", "params", "options"])
+def test_prompts_file_nested_sampling_fields_are_refused(tmp_path, key):
+    """Found by a review: {"prompt": "hi", "sampling_params": {"max_tokens": 2}} (a request body's
+    shape in other APIs) ran at --max-tokens' value without a word: the object was an ignored key."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok", "meta": {"source": "web"}}\n'
+                    + json.dumps({"prompt": "a", key: {"max_tokens": 2, "seed": 1, "other": 3}}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        _read_prompts(_args(path))
+    assert str(e.value) == (f"--prompts-file: line 2: {key!r} holds sampling fields (max_tokens, seed); give them "
+                            "at the top level of the line, beside 'prompt'")
+
+
 @pytest.mark.parametrize("key, why", [
     ("best_of", "add the prompt again with another seed"), ("logit_bias", "not implemented"),
     ("do_sample", "give temperature instead \\(0: greedy\\)"), ("prompt_logprobs", "not implemented"),
