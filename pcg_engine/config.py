@@ -231,6 +231,11 @@ class EngineConfig:
                 unread.append(f"max_capture_tokens={self.max_capture_tokens!r} has no effect with "
                               f"cudagraph_buckets (the largest bucket, {max(self.cudagraph_buckets)}, bounds the "
                               f"graphs)")
+        if mode not in COMPILED_MODES:
+            for name in ("compile_cache", "compile_cache_dir"):
+                if given(name):
+                    unread.append(f"{name}={getattr(self, name)!r} has no effect in mode {mode!r}, which compiles "
+                                  f"nothing (the compile cache serves {', '.join(COMPILED_MODES)})")
         for message in unread:
             warnings.warn(f"EngineConfig: {message}", UserWarning, stacklevel=2)
 

@@ -97,6 +97,10 @@ def test_two_kv_sizes_in_one_config_are_refused(tiny_paths, setting):
 @pytest.mark.parametrize("setting, mode, words", [
     (dict(gpu_memory_utilization=0.5), "eager", "gpu_memory_utilization=0.5 has no effect on cpu"),
     (dict(max_capture_tokens=64), "eager", "max_capture_tokens=64 has no effect in mode 'eager'"),
+    # found by a review: `pcg generate --compile-cache-dir D` in eager mode wrote nothing, said nothing
+    (dict(compile_cache_dir="/tmp/pcg-unused-cache"), "eager",
+     "compile_cache_dir='/tmp/pcg-unused-cache' has no effect in mode 'eager', which compiles nothing"),
+    (dict(compile_cache=False), "eager", "compile_cache=False has no effect in mode 'eager'"),
     (dict(max_capture_tokens=64, cudagraph_buckets=[2, 8]), "piecewise",
      "max_capture_tokens=64 has no effect with cudagraph_buckets \\(the largest bucket, 8"),
 ])
