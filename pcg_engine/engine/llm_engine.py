@@ -386,7 +386,11 @@ class LLMEngine:
         # that preempted itself with nobody else to run leaves an empty plan, and its stale row
         # (block table, token count) would otherwise be taken up again when it is re-admitted.
         self._release_preempted(plan.preempted)
-        launched = self._launch(plan) if not plan.is_empty else None
+        try:
+            launched = self._launch(plan) if not plan.is_empty else None
+        except BaseException:
+            self._launch_failed()
+            raise
         outputs, self.pending_outputs = self.pending_outputs, []
         try:
             if self.async_scheduling:
@@ -415,6 +419,20 @@ class LLMEngine:
             raise
         self.stats.host_s += time.perf_counter() - t0 - (self.stats.sync_wait_s - wait0)
         return outputs
+
+    def _launch_failed(self) -> None:
+        """A step stopped before it was launched whole (in its forward or sampling: Ctrl-C, out of
+        memory, a bug) counts as not launched, and its requests are planned again (_launch). But its
+        inputs were already prepared: the input batch had rewritten where each row's token sits in
+        the step's output, and the next step filled its placeholder inputs from the step in flight
+        by that layout, a neighbour's token when the rows had changed (found by a review). The step
+        in flight is resolved first, as after a stop in the read-back, so that the next launch has
+        no placeholder input to fill; and the batch sends all its inputs again (a stop between
+        staging the block table and its copy would leave the device's copy behind)."""
+        self.runner.batch.invalidate()
+        if self.async_scheduling and self.inflight is not None:
+            self.unresolved = [self.inflight]
+            self.inflight = None
 
     def _resolve_interrupted(self) -> list[RequestOutput]:
         """The step after one stopped in its read-back: read the steps it launched, oldest first

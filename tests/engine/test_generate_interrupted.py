@@ -139,3 +139,61 @@ def test_a_step_stopped_in_its_sampling_leaves_other_requests_running(llm, monke
     finals = drain(engine)          # it stalled here: "engine did not drain", its blocks held
     assert finals["other"].token_ids == want
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("where", ["forward", "sampler"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_stopped_in_its_launch_gives_the_others_their_own_tokens(tiny_paths, where, async_scheduling):
+    """Found by a review: with async scheduling, a step stopped in its forward or its sampling (Ctrl-C
+    in generate(), out of memory, a bug) had already rewritten where each row's token sits in the
+    step's output. The step after it then filled its placeholder inputs from the step in flight by
+    that layout: a neighbour's token. Here request A stops on its third token, so the failed step's
+    rows differ from the step in flight's, and B ran on from another token (silently: no invariant
+    broke), and the blocks it published held KV computed for tokens other than those they are
+    hashed under, which a later prompt then hit in the prefix cache."""
+    path = tiny_paths["tiny-qwen3"]
+    greedy = lambda n, **kw: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)  # noqa: E731
+    a, b, c = PROMPTS
+    ref = make_llm(path, enable_prefix_caching=False)
+    a_want, b_want = (ref.generate([p], greedy(12))[0].token_ids for p in (a, b))
+    llm = make_llm(path, async_scheduling=async_scheduling, block_size=4)
+    engine = llm.engine
+    engine.add_request(a, greedy(12, stop_token_ids=[a_want[2]]), request_id="A")
+    engine.add_request(b, greedy(12), request_id="B")
+    finals = {}
+    for _ in range(4):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    if where == "forward":
+        runner, real = engine.runner, engine.runner.forward_fn
+
+        def interrupt(*args, **kwargs):
+            runner.forward_fn = real
+            raise KeyboardInterrupt
+        runner.forward_fn = interrupt
+        params = greedy(3)
+    else:
+        cls = type(engine.sampler)
+        real = cls.__call__
+
+        def interrupt(self, logits, t):
+            cls.__call__ = real
+            raise KeyboardInterrupt
+        cls.__call__ = interrupt
+        params = SamplingParams(temperature=0.8, seed=5, max_tokens=3)   # a row for the sampler
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([c], params)
+    finally:
+        if where == "forward":
+            runner.forward_fn = real
+        else:
+            cls.__call__ = real
+    finals.update(drain(engine))
+    assert_drained(engine)
+    assert finals["A"].token_ids == a_want[:3] and finals["B"].token_ids == b_want
+    # B's published blocks hold B's own KV: a prompt extending B's text hits them and runs as without.
+    longer = b + b_want[:8]
+    out = llm.generate([longer], greedy(6))[0]
+    assert out.metrics.num_cached_tokens > 0
+    assert out.token_ids == ref.generate([longer], greedy(6))[0].token_ids
+    assert_drained(engine)
