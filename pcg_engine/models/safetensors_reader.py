@@ -142,7 +142,6 @@ def read_header(path: Path) -> list[Entry]:
     return entries
 
 
-
 def _count(v) -> bool:
     """A header's size or offset: an int >= 0 (not a bool)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
