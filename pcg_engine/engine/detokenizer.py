@@ -10,10 +10,11 @@ incomplete character, so the request stops at the token that completes the stop 
 cut before the stop string.
 While stop strings are set, the last (longest stop - 1) characters are held back: they might be the
 start of a stop string, and text once emitted (streamed) cannot be taken back. `flush` releases them
-when the request ends for another reason. With min_tokens, a stop string counts only where it ends in
-the text of the min_tokens-th output token or later (as EOS and stop_token_ids wait for it), as vLLM
-matches it; the text before is held back the same way, so one that starts before and ends there is
-found.
+when the request ends for another reason. With min_tokens m, a stop string counts only where it ends
+past the text of the first m output tokens, as vLLM matches it: EOS and stop_token_ids are masked
+until m tokens are out, so the text holds at least m tokens' worth either way (min_tokens=1 with
+stop ["\n"] gave an empty reply when the first token was a newline). The text before is held back
+the same way, so a stop string that starts in it and ends in token m + 1 is found.
 """
 
 import os.path
@@ -63,9 +64,9 @@ class IncrementalDetokenizer:
         self.text = ""          # emitted so far
         self.held = ""          # decoded but held back: might start a stop string
         self.stopped_by: str | None = None
-        # len(context) when the min_tokens-th output token came: the context tokens before it are
+        # len(context) when output token min_tokens + 1 came: the context tokens before it are
         # those whose text no stop string may end in (see _early).
-        self._min_context: int | None = None if min_tokens > 1 else 0
+        self._min_context: int | None = None if min_tokens > 0 else 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -73,7 +74,7 @@ class IncrementalDetokenizer:
     def add(self, token: int) -> str:
         """Append one token; returns the new text it completes ('' while a character is split)."""
         self.tokens.append(token)
-        if self._min_context is None and len(self.tokens) == self.min_tokens:
+        if self._min_context is None and len(self.tokens) == self.min_tokens + 1:
             self._min_context = len(self.context)
         if token in self.skipped:
             # decode() leaves it out, so the window may too. Kept, it grew the window without
@@ -108,8 +109,8 @@ class IncrementalDetokenizer:
         return self._append_text(delta, early)
 
     def _early(self, prefix: str, full: str) -> int:
-        """How much of the new text (full past prefix) is the final text of tokens before the
-        min_tokens-th: no stop string may end in it. The window can still hold such tokens when
+        """How much of the new text (full past prefix) is the final text of the first min_tokens
+        tokens: no stop string may end in it. The window can still hold such tokens when
         one of them started a multi-byte character (' \\xe2\\x88'): its complete text (' ') was
         held with the character and reaches the stop search in a later token's delta."""
         if not self.stop or self._min_context is None or self.read_offset >= self._min_context:
@@ -122,21 +123,21 @@ class IncrementalDetokenizer:
         the text before the incomplete character is final, so a stop string in it stops the request
         at this token, not at the one that completes the character (or never, at max_tokens)."""
         complete = delta.rstrip(REPLACEMENT)
-        # The search _append_text makes: a stop string wholly inside the held-back text (one before
-        # the min_tokens-th token) is no stop. Asked "is one anywhere in it", this appended the
+        # The search _append_text makes: a stop string wholly inside the held-back text (one in
+        # the first min_tokens tokens) is no stop. Asked "is one anywhere in it", this appended the
         # complete part without moving the offsets, and the next token decoded it again (' val  ').
-        if complete and len(self.tokens) >= self.min_tokens and self._stops_in(self.held + complete, early):
+        if complete and len(self.tokens) > self.min_tokens and self._stops_in(self.held + complete, early):
             return self._append_text(complete, early)
         return ""
 
     def _stops_in(self, pending: str, early: int = 0) -> list[tuple[int, str]]:
         """(position, stop string) of each stop string that ends past the held-back text in `pending`
         (held + new text). One inside the held-back text ended before (it was searched then, or came
-        before the min_tokens-th token, where none counts). No stop string can start inside emitted
+        in the first min_tokens tokens, where none counts). No stop string can start inside emitted
         text, since what is held back covers the longest stop string but one character; one that
-        started in the held-back text before the min_tokens-th token and ends with it counts (it was
-        emitted before, and missed). `early`: that many characters after the held-back text are
-        the text of tokens before the min_tokens-th (_early), where no stop string may end either."""
+        started in the held-back text of the first min_tokens tokens and ends in the next counts (it
+        was emitted before, and missed). `early`: that many characters after the held-back text are
+        the text of the first min_tokens tokens (_early), where no stop string may end either."""
         end = len(self.held) + early
         return [(i, s) for s in self.stop if (i := pending.find(s, max(0, end - len(s) + 1))) >= 0]
 
@@ -147,7 +148,7 @@ class IncrementalDetokenizer:
             return delta
         pending = self.held + delta
         cut = -1
-        if len(self.tokens) >= self.min_tokens:
+        if len(self.tokens) > self.min_tokens:
             found = self._stops_in(pending, early)     # only a stop string that ends in this delta
             if found:
                 cut, self.stopped_by = min(found, key=lambda f: f[0])
