@@ -324,7 +324,12 @@ class LLMEngine:
                                       "(abort_request(..., missing_ok=True) returns False for it)")
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         self._forget(request)
-        self.pending_outputs.append(self._output(request, [], ""))
+        # The text held back (the start of a possible stop string, a split character) is the end
+        # of this text now, as at any other finish: without the flush the final text left out text
+        # of tokens its token_ids held (found by a review).
+        detok = self.detokenizers.get(request_id)
+        delta = detok.flush() if detok is not None and detok.stopped_by is None else ""
+        self.pending_outputs.append(self._output(request, [], delta))
         return True
 
     @_locked

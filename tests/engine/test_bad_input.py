@@ -296,6 +296,25 @@ def test_abort_in_flight_frees_everything(llm, baseline):
     assert_drained(engine)
 
 
+def test_an_aborted_request_s_text_holds_every_token_s_text(llm):
+    """Found by a review: the final output of an aborted request left out the text held back for a
+    possible stop string (up to the longest stop string but one character), though its token_ids
+    held those tokens. Its text is now their whole decoding, as at any other finish."""
+    engine = llm.engine
+    never = "\x00" * 12                     # no text holds it: 11 characters stay held back
+    rid = engine.add_request(_prompt(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                       stop=[never]))
+    for _ in range(6):
+        engine.step()
+    engine.abort_request(rid)
+    finals = drain(engine)
+    out = finals[rid]
+    assert out.finish_reason == "abort" and len(out.token_ids) >= 3
+    want = engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.text == want and len(want) > 0
+    assert_drained(engine)
+
+
 def test_abort_with_a_non_string_id_aborts_nothing(llm, baseline):
     """abort_request(5) is refused by field: it used to look up str(5), aborting a request named "5"."""
     engine = llm.engine
