@@ -708,7 +708,8 @@ def test_load_test_dataset_records_no_input_len_and_warms_up_as_it_measures(tmp_
     generate = LLM.generate
 
     def spy(self, prompts, params=None, *a, **k):
-        seen.append(params.detokenize)
+        # (the warm-up gives each prompt its own parameters: a list)
+        seen.extend(p.detokenize for p in (params if isinstance(params, list) else [params]))
         return generate(self, prompts, params, *a, **k)
     monkeypatch.setattr(LLM, "generate", spy)
     data_file = tmp_path / "d.jsonl"
