@@ -479,26 +479,42 @@ class LLMEngine:
         batch.sync_rows(plan.scheduled, self.block_manager.block_table)
         previous = self.inflight.sampled.token_ids if self.inflight is not None else None
         logits, inputs = self.runner.execute(plan.scheduled, previous_tokens=previous)
-        if self._full_sampler_rows:
-            rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
-            sampled = self.sampler(logits, self.sampling.select(rows))
+        rows = streams = None
+        try:
+            if self._full_sampler_rows:
+                rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
+                selected = self.sampling.select(rows)
+                # The seeded rows' streams as they were: a step that fails from here on draws again
+                # from them when it is planned again (else a seeded request's tokens depended on an
+                # interruption; found by a review).
+                streams = [(g, g.get_state()) for g in map(selected.generators.__getitem__, selected.seeded_rows)]
+                sampled = self.sampler(logits, selected)
+                pending = self.readback.start(sampled)
+            elif self._zero_copy:
+                # kernels/argmax.py writes the tokens into the read-back's pinned buffer too: no copy.
+                i, host, address = self.readback.claim(logits.shape[0])
+                # kept_out: the workspace's two output buffers in turn (the next step reads these tokens).
+                sampled = SamplerOutput(token_ids=argmax_rows(logits, self.argmax_workspace, host, address,
+                                                              kept_out=True))
+                pending = self.readback.written(i, host)
+            else:
+                sampled = SamplerOutput(token_ids=greedy_tokens(logits, self.argmax_workspace))   # kernels/argmax.py
+                pending = self.readback.start(sampled)
+            # After the sampling, which can raise (an error in a sampler, Ctrl-C, out of memory): the
+            # computed counts advance only with the placeholders that follow at once. Advanced before
+            # it, a raise left every request of the step counted as computed with no token coming,
+            # never scheduled again and holding its blocks (another caller's request, when generate()
+            # was the one stopped). Now the step is as if not launched: its requests are planned again.
+            self.scheduler.update_after_step(plan.scheduled)
+        except BaseException:
+            for generator, state in streams or ():
+                generator.set_state(state)
+            raise
+        if rows is not None:
+            # Counted (penalties, min_tokens) only once the step is launched: counted before, a
+            # failure left each of its rows one token ahead, penalised twice for it, its
+            # min_tokens mask lifted a token early (found by a review).
             self.sampling.record_sampled(sampled.token_ids, rows)
-            pending = self.readback.start(sampled)
-        elif self._zero_copy:
-            # kernels/argmax.py writes the tokens into the read-back's pinned buffer too: no copy.
-            i, host, address = self.readback.claim(logits.shape[0])
-            # kept_out: the workspace's two output buffers in turn (the next step reads these tokens).
-            sampled = SamplerOutput(token_ids=argmax_rows(logits, self.argmax_workspace, host, address, kept_out=True))
-            pending = self.readback.written(i, host)
-        else:
-            sampled = SamplerOutput(token_ids=greedy_tokens(logits, self.argmax_workspace))   # kernels/argmax.py
-            pending = self.readback.start(sampled)
-        # After the sampling, which can raise (an error in a sampler, Ctrl-C, out of memory): the
-        # computed counts advance only with the placeholders that follow at once. Advanced before
-        # it, a raise left every request of the step counted as computed with no token coming,
-        # never scheduled again and holding its blocks (another caller's request, when generate()
-        # was the one stopped). Now the step is as if not launched: its requests are planned again.
-        self.scheduler.update_after_step(plan.scheduled)
         self.stats.steps += 1
         if state is not None and getattr(inputs, "sample_row_ids", None) is not None:
             return launch_rows(state, plan.scheduled, inputs, sampled, pending, self.async_scheduling)

@@ -197,3 +197,54 @@ def test_a_step_stopped_in_its_launch_gives_the_others_their_own_tokens(tiny_pat
     assert out.metrics.num_cached_tokens > 0
     assert out.token_ids == ref.generate([longer], greedy(6))[0].token_ids
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("where", ["read-back", "after the noise"])
+@pytest.mark.parametrize("b_params", [
+    dict(temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0), dict(temperature=1.0, seed=42),
+    "min_tokens",
+], ids=["penalty", "seeded", "min_tokens"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_stopped_after_its_sampling_leaves_no_trace_in_the_sampling_state(tiny_paths, where, b_params,
+                                                                                 async_scheduling):
+    """Found by a review: a step stopped after its sampler ran (in the read-back's start, or right
+    after the seeded noise was drawn) is planned again, but the sampling store had counted its
+    tokens (a penalty counted twice, the min_tokens mask lifted a token early) and the seeded
+    rows' streams had moved on: the other request's tokens differed from an uninterrupted run."""
+    from pcg_engine.engine import sampler as sampler_mod
+    path = tiny_paths["tiny-qwen3"]
+    b = PROMPTS[1]
+    if b_params == "min_tokens":
+        free = make_llm(path).generate([b], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+        # the 6th token is masked while fewer than 6 are out: one count ahead, it stops the request there
+        b_params = dict(temperature=0.0, min_tokens=6, stop_token_ids=[free.token_ids[5]])
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **b_params)
+    want = make_llm(path).generate([b], params)[0].token_ids
+    llm = make_llm(path, async_scheduling=async_scheduling)
+    engine = llm.engine
+    engine.add_request(b, params, request_id="B")
+    finals = {}
+    for _ in range(3):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    if where == "read-back":
+        target, name = engine.readback, "start"
+    else:
+        target, name = sampler_mod.Sampler, "_exponential_noise"
+    real = getattr(target, name)
+
+    def once(*args, **kwargs):
+        real(*args, **kwargs)       # the work done (noise drawn, copies enqueued), then the stop
+        setattr(target, name, real)
+        raise KeyboardInterrupt
+    setattr(target, name, once)
+    try:
+        with pytest.raises(KeyboardInterrupt):   # a sampling request: the step goes through the sampler
+            llm.generate([PROMPTS[2]], SamplingParams(temperature=0.8, seed=5, max_tokens=3))
+    finally:
+        if target is engine.readback:
+            del engine.readback.start          # the instance attribute: the class's method again
+        else:
+            setattr(target, name, real)
+    finals.update(drain(engine))
+    assert_drained(engine)
+    assert finals["B"].token_ids == want
