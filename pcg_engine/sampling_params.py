@@ -110,10 +110,12 @@ class SamplingParams:
                                         lambda v: 0 <= v <= MAX_TEMPERATURE,
                                         TEMPERATURE_RANGE)
         self.top_p = _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+        if not _is_int(self.top_k) or not self.top_k >= -1:
             raise InvalidRequestError(
-                "top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        self.top_k = int(self.top_k)
+                "top_k", f"must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}")
+        # 0 is off too, as in transformers' generate and vLLM: a request carrying a Hugging Face
+        # generation config's "top_k": 0 was refused (found by a review).
+        self.top_k = int(self.top_k) or -1
         self.min_p = _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
         # Bounded: the penalty divides float32 logits, and below ~1e-38 it is 0 there (every logit
         # then inf or NaN: token 0 for every row it touches).

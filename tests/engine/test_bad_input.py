@@ -74,7 +74,8 @@ CASES = [
      r"finite.*\[0, 1e6\]"),
     ("top-p-0", lambda e: e.add_request(_prompt(), {"top_p": 0.0}), "top_p", r"\(0, 1\]"),
     ("top-p-above-1", lambda e: e.add_request(_prompt(), {"top_p": 1.5}), "top_p", r"\(0, 1\]"),
-    ("top-k-0", lambda e: e.add_request(_prompt(), {"top_k": 0}), "top_k", r"-1 \(disabled\) or an integer >= 1"),
+    ("top-k-below-minus-1", lambda e: e.add_request(_prompt(), {"top_k": -2}), "top_k",
+     r"-1 or 0 \(disabled\) or an integer >= 1"),
     ("top-k-below-minus-1", lambda e: e.add_request(_prompt(), {"top_k": -2}), "top_k", r"-1 .* >= 1"),
     ("min-p-negative", lambda e: e.add_request(_prompt(), {"min_p": -0.1}), "min_p", r"\[0, 1\]"),
     ("min-p-above-1", lambda e: e.add_request(_prompt(), {"min_p": 1.5}), "min_p", r"\[0, 1\]"),
@@ -191,10 +192,16 @@ def test_bad_request_is_refused_and_the_batch_survives(llm, baseline, name, bad,
     assert_drained(engine)
 
 
+def test_top_k_0_is_off_as_in_transformers_and_vllm():
+    """Found by a review: top_k 0 (a Hugging Face generation config's "off") was refused."""
+    assert SamplingParams(top_k=0).top_k == -1 == SamplingParams().top_k
+    assert SamplingParams.from_kwargs(top_k=0, temperature=0.5) == SamplingParams(temperature=0.5)
+
+
 def test_sampling_params_refuse_bad_fields_directly():
     """The same checks at construction, without an engine (the client's first line of defence)."""
     for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
-                      ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"min_p": 2}, "min_p")]:
+                      ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p")]:
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(**kw)
         assert info.value.field == field
