@@ -36,7 +36,7 @@ def _add_generate(sub):
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens a prompt, at most (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="in [0, 1e6]; default 0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1: off)")
-    p.add_argument("--top-k", type=int, default=-1, help="-1 (off, the default) or >= 1")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 or 0 (off; -1 the default) or >= 1")
     p.add_argument("--seed", type=int, default=None, help="sampling seed, in [-2**63, 2**64) (default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens")
     p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
