@@ -141,9 +141,17 @@ def test_a_step_stopped_in_its_sampling_leaves_other_requests_running(llm, monke
     assert_drained(engine)
 
 
+# On the GPU too: there the read-back's pinned buffers and the argmax kernel's outputs are taken
+# in turns, which a failed step must not shift under the step in flight.
+# (A fixed KV cache: several engines live at once, each would size its cache from the free memory.)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["forward", "sampler"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_step_stopped_in_its_launch_gives_the_others_their_own_tokens(tiny_paths, where, async_scheduling):
+def test_a_step_stopped_in_its_launch_gives_the_others_their_own_tokens(tiny_paths, where, async_scheduling,
+                                                                        device):
     """Found by a review: with async scheduling, a step stopped in its forward or its sampling (Ctrl-C
     in generate(), out of memory, a bug) had already rewritten where each row's token sits in the
     step's output. The step after it then filled its placeholder inputs from the step in flight by
@@ -154,9 +162,9 @@ def test_a_step_stopped_in_its_launch_gives_the_others_their_own_tokens(tiny_pat
     path = tiny_paths["tiny-qwen3"]
     greedy = lambda n, **kw: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)  # noqa: E731
     a, b, c = PROMPTS
-    ref = make_llm(path, enable_prefix_caching=False)
+    ref = make_llm(path, enable_prefix_caching=False, device=device, mode="eager", num_kv_blocks=64)
     a_want, b_want = (ref.generate([p], greedy(12))[0].token_ids for p in (a, b))
-    llm = make_llm(path, async_scheduling=async_scheduling, block_size=4)
+    llm = make_llm(path, async_scheduling=async_scheduling, block_size=4, device=device, mode="eager", num_kv_blocks=64)
     engine = llm.engine
     engine.add_request(a, greedy(12, stop_token_ids=[a_want[2]]), request_id="A")
     engine.add_request(b, greedy(12), request_id="B")
@@ -204,9 +212,10 @@ def test_a_step_stopped_in_its_launch_gives_the_others_their_own_tokens(tiny_pat
     dict(temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0), dict(temperature=1.0, seed=42),
     "min_tokens",
 ], ids=["penalty", "seeded", "min_tokens"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_step_stopped_after_its_sampling_leaves_no_trace_in_the_sampling_state(tiny_paths, where, b_params,
-                                                                                 async_scheduling):
+                                                                                 async_scheduling, device):
     """Found by a review: a step stopped after its sampler ran (in the read-back's start, or right
     after the seeded noise was drawn) is planned again, but the sampling store had counted its
     tokens (a penalty counted twice, the min_tokens mask lifted a token early) and the seeded
@@ -215,12 +224,13 @@ def test_a_step_stopped_after_its_sampling_leaves_no_trace_in_the_sampling_state
     path = tiny_paths["tiny-qwen3"]
     b = PROMPTS[1]
     if b_params == "min_tokens":
-        free = make_llm(path).generate([b], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+        free = make_llm(path, device=device, mode="eager", num_kv_blocks=64).generate(
+            [b], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
         # the 6th token is masked while fewer than 6 are out: one count ahead, it stops the request there
         b_params = dict(temperature=0.0, min_tokens=6, stop_token_ids=[free.token_ids[5]])
     params = SamplingParams(max_tokens=12, ignore_eos=True, **b_params)
-    want = make_llm(path).generate([b], params)[0].token_ids
-    llm = make_llm(path, async_scheduling=async_scheduling)
+    want = make_llm(path, device=device, mode="eager", num_kv_blocks=64).generate([b], params)[0].token_ids
+    llm = make_llm(path, async_scheduling=async_scheduling, device=device, mode="eager", num_kv_blocks=64)
     engine = llm.engine
     engine.add_request(b, params, request_id="B")
     finals = {}
