@@ -16,7 +16,7 @@ BAD = [
     ("temperature", 1e39, "[0, 1e6]"), ("temperature", 1e6 * (1 + 1e-9), "[0, 1e6]"),
     ("top_p", 0.0, "(0, 1]"), ("top_p", -0.5, "(0, 1]"), ("top_p", 1.01, "(0, 1]"),
     ("top_p", math.nan, "(0, 1]"), ("top_p", False, "(0, 1]"),
-    ("top_k", 0, ">= 1"), ("top_k", -2, ">= 1"), ("top_k", 2.0, ">= 1"), ("top_k", None, ">= 1"),
+    ("top_k", -3, ">= 1"), ("top_k", -2, ">= 1"), ("top_k", 2.0, ">= 1"), ("top_k", None, ">= 1"),
     ("min_p", -0.01, "[0, 1]"), ("min_p", 1.5, "[0, 1]"), ("min_p", math.inf, "[0, 1]"),
     ("repetition_penalty", 0.0, "in [0.01, 100]"), ("repetition_penalty", -1.0, "in [0.01, 100]"),
     ("repetition_penalty", math.nan, "in [0.01, 100]"), ("repetition_penalty", 1e-38, "in [0.01, 100]"),
