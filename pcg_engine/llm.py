@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine.llm_engine import LLMEngine
 from pcg_engine.errors import EngineClosedError, InvalidRequestError
-from pcg_engine.outputs import RequestOutput
+from pcg_engine.outputs import RequestOutput, abandoned
 from pcg_engine.sampling_params import SamplingParams
 
 
@@ -118,26 +118,20 @@ class LLM:
             raise
         finally:
             # Other requests' outputs stay with the engine: its next step() returns them first.
-            self.engine.pending_outputs[:0] = others
+            self._hand_back(others)
         return [finals[rid] for rid in ids]
 
     def _abandon(self, ids) -> None:
-        """Abort those of ids still in the engine and drop their abort outputs. Not stepping: that
-        would run (and swallow the outputs of) other requests in flight. A request whose step is
-        in flight frees its blocks at once; the step's token is dropped when it is resolved.
-        Errors here are not raised over the exception that stopped generate()."""
-        with self.engine.lock:
-            self._abandon_locked(ids)
+        """Abort those of ids still in the engine and drop their outputs (LLMEngine.abandon). A
+        request whose step is in flight frees its blocks at once; the step's token is dropped when
+        it is resolved. Errors here are not raised over the exception that stopped generate()."""
+        self.engine.abandon(list(ids))
 
-    def _abandon_locked(self, ids) -> None:
-        for rid in ids:
-            if rid in self.engine.requests:
-                try:
-                    self.engine.abort_request(rid)
-                except Exception:   # pragma: no cover - the engine already failed; keep its error
-                    pass
-        dropped = set(ids)
-        self.engine.pending_outputs = [o for o in self.engine.pending_outputs if o.request_id not in dropped]
+    def _hand_back(self, others) -> None:
+        """Other callers' outputs back to the engine: its next step() returns them first. Not
+        those of requests abandoned meanwhile (a stream collected during this call's step): nobody
+        would take them, and they went round between callers for ever."""
+        self.engine.pending_outputs[:0] = [out for out in others if not abandoned(out)]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one output per step that brought this request new tokens, the last one finished.
@@ -170,7 +164,7 @@ class LLM:
                     # alternately with another lost the other's deltas, and when the other
                     # request's final output was among them, the other stream stepped an idle
                     # engine forever.
-                    self.engine.pending_outputs[:0] = others
+                    self._hand_back(others)
                 for out in mine:
                     done = out.finished
                     yield out

@@ -137,3 +137,8 @@ class DecodeOutput(tuple):
 
 
 RequestOutput.register(DecodeOutput)
+
+
+def abandoned(output) -> bool:
+    """Whether the output's request was abandoned (LLMEngine.abandon): nobody wants it any more."""
+    return (output[0] if isinstance(output, DecodeOutput) else output._request).abandoned

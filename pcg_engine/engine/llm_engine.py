@@ -41,7 +41,7 @@ from pcg_engine.engine.scheduler import Scheduler, SchedulerConfig
 from pcg_engine.engine.tokenizer import LazyTokenizer, eos_token_ids
 from pcg_engine.errors import EngineClosedError, InvalidRequestError
 from pcg_engine.models.model_config import read_config
-from pcg_engine.outputs import RequestOutput
+from pcg_engine.outputs import RequestOutput, abandoned
 from pcg_engine.sampling_params import SamplingParams, finite_float
 
 
@@ -55,11 +55,24 @@ class EngineStats:
 
 
 def _locked(method):
-    """Run the engine method under the engine's lock (LLMEngine's docstring says why)."""
+    """Run the engine method under the engine's lock (LLMEngine's docstring says why), counted in
+    `_busy` while it runs: a request abandoned meanwhile by this very thread (the garbage collector
+    closing a dropped stream in the middle of a step) is settled once the call is over (abandon)."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self.lock:
-            return method(self, *args, **kwargs)
+            self._busy += 1
+            settled = False
+            try:
+                result = method(self, *args, **kwargs)
+            finally:
+                self._busy -= 1
+                if self._abandon_later and not self._busy:
+                    settled = True
+                    self._settle_abandoned()
+            if settled and isinstance(result, list):     # step()'s outputs: none of theirs
+                result = [out for out in result if not abandoned(out)]
+            return result
     return locked
 
 
@@ -78,6 +91,8 @@ class LLMEngine:
         # shared state: IndexErrors deep in the forward, rows and blocks of aborted requests left
         # behind, outputs with the wrong tokens, a closed model stepped.
         self.lock = threading.RLock()
+        self._busy = 0                          # engine calls under way in the lock's thread (_locked)
+        self._abandon_later: list[str] = []     # abandoned during one of them (abandon)
         self.closed = False
         self.config = config
         self.device = torch.device(config.resolved_device())
@@ -331,6 +346,41 @@ class LLMEngine:
         delta = detok.flush() if detok is not None and detok.stopped_by is None else ""
         self.pending_outputs.append(self._output(request, [], delta))
         return True
+
+    def abandon(self, request_ids) -> None:
+        """Abort those of request_ids still unfinished and drop their outputs, for a caller that
+        no longer wants them (a stream closed or collected, an interrupted generate). Not stepping:
+        that would run (and swallow the outputs of) other requests in flight.
+
+        Called while an engine call of this same thread is under way, it is done when that call
+        ends. That happens when the garbage collector closes a dropped stream (one caught in a
+        reference cycle) in the middle of another caller's step: aborted there, inside the
+        scheduling or the forward, the request left its row bound to nobody (the batch was then
+        full for good) and its outputs went round between callers for ever (found by a review)."""
+        with self.lock:
+            self._abandon_later += request_ids
+            if not self._busy:
+                self._settle_abandoned()
+
+    def _settle_abandoned(self) -> None:
+        self._busy += 1           # a collection meanwhile adds to the list; this loop takes it
+        try:
+            while self._abandon_later:
+                ids, self._abandon_later = self._abandon_later, []
+                for rid in ids:
+                    request = self.requests.get(rid)
+                    if request is None:
+                        continue
+                    request.abandoned = True      # its outputs are nobody's (outputs.abandoned)
+                    try:
+                        self.abort_request(rid)
+                    except Exception:   # pragma: no cover - the engine already failed; keep its error
+                        pass
+                dropped = set(ids)
+                self.pending_outputs = [o for o in self.pending_outputs
+                                        if o.request_id not in dropped and not abandoned(o)]
+        finally:
+            self._busy -= 1
 
     @_locked
     def close(self) -> None:

@@ -52,6 +52,7 @@ class Request:
 
     _rows = None        # the RowState of a BoundRequest
     _row = -1
+    abandoned = False   # LLMEngine.abandon: its caller wants none of its outputs
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  arrival_time: float | None = None, eos_token_id: int | None = None):

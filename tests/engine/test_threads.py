@@ -186,3 +186,50 @@ def test_close_while_another_thread_generates(llm_and_solo):
     assert got == solo["A"]
     with pytest.raises(EngineClosedError, match="closed"):
         llm.generate(PROMPTS_B, greedy())
+
+
+@pytest.mark.parametrize("where", ["scheduling", "forward"])
+def test_a_stream_collected_in_the_middle_of_a_step_is_abandoned_after_it(llm_and_solo, where):
+    """Found by a review: a dropped stream caught in a reference cycle is closed by the garbage
+    collector wherever a collection falls, most often in the middle of another caller's step (the
+    lock is re-entrant, so its abort ran there). Aborted inside the scheduling, its request left a
+    row bound to nobody (a full batch then failed with "input batch is full" for good) and its
+    outputs went round between callers for ever (has_unfinished_requests stayed True). The abort
+    now waits for the step to end; here a collection is forced at each of those two points."""
+    import gc
+    llm, solo = llm_and_solo
+    engine = llm.engine
+    if where == "scheduling":
+        target, name = engine.block_manager, "allocate"
+    else:
+        target, name = engine.runner, "execute"
+    real = getattr(target, name)
+    armed = []
+
+    def collect_once(*args, **kwargs):
+        if armed:
+            armed.clear()
+            gc.collect()               # stands for a collection that falls here
+        return real(*args, **kwargs)
+
+    class Holder:
+        pass
+    holder = Holder()
+    holder.me = holder                 # a cycle: only the collector frees it
+    holder.stream = llm.stream(PROMPTS_B[4], greedy(100))
+    for _ in range(3):
+        next(holder.stream)
+    del holder
+    setattr(target, name, collect_once)
+    try:
+        armed.append(True)
+        assert tokens(llm.generate(PROMPTS_A, greedy())) == solo["A"]
+        assert not armed, "no collection was forced: the test tests nothing"
+    finally:
+        delattr(target, name)          # the class's method again
+    assert_drained(engine)
+    # A full batch runs (a leaked row made it fail), and nothing is left pending.
+    prompts = random_prompts([5 + i for i in range(engine.config.max_num_seqs)], seed=3)
+    assert len(llm.generate(prompts, greedy(4))) == len(prompts)
+    assert_drained(engine)
+    assert not engine.has_unfinished_requests() and not engine.pending_outputs
