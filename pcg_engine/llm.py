@@ -89,19 +89,23 @@ class LLM:
                     raise error from None
             mine = set(ids)
             while len(finals) < len(ids):
-                outputs = self.engine.step()
-                # Set the other requests' outputs (requests added to the engine by someone else,
-                # the callback included) aside before the callback runs on any of this call's:
-                # when it raised, those behind its output in the step were lost, a final one
-                # with them, and whoever waited for it never got it.
-                others += [out for out in outputs if out.request_id not in mine]
-                for out in outputs:
-                    if out.request_id not in mine:
-                        continue
-                    if on_output is not None:
-                        on_output(out)
-                    if out.finished:
-                        finals[out.request_id] = out
+                outputs = []
+                # The other requests' outputs (requests added to the engine by someone else, the
+                # callback included) are set aside however this call's are left: when the callback
+                # raised, those behind its output in the step were lost, a final one with them,
+                # and whoever waited for it never got it; and so were all of them when Ctrl-C fell
+                # right after the step returned (found by a review).
+                try:
+                    outputs = self.engine.step()
+                    for out in outputs:
+                        if out.request_id not in mine:
+                            continue
+                        if on_output is not None:
+                            on_output(out)
+                        if out.finished:
+                            finals[out.request_id] = out
+                finally:
+                    others += [out for out in outputs if out.request_id not in mine]
                 if (len(finals) < len(ids) and not self.engine.has_unfinished_requests()
                         and not self.engine.closed):    # closed: the next step() says so
                     # Nothing left can bring the missing final outputs: someone else's
@@ -155,16 +159,18 @@ class LLM:
             yield None
             while True:
                 with self.engine.lock:
-                    mine, others = [], []
-                    for out in self.engine.step():
-                        (mine if out.request_id == rid else others).append(out)
+                    outputs = []
                     # Other requests' outputs go back to the engine now, before yielding, not when
                     # this stream ends: while it is suspended, whoever steps next (another stream,
                     # most often) must get them. Kept here until the end, a stream iterated
                     # alternately with another lost the other's deltas, and when the other
                     # request's final output was among them, the other stream stepped an idle
-                    # engine forever.
-                    self._hand_back(others)
+                    # engine forever. Handed back however this stream is left (Ctrl-C here lost them).
+                    try:
+                        outputs = self.engine.step()
+                        mine = [out for out in outputs if out.request_id == rid]
+                    finally:
+                        self._hand_back([out for out in outputs if out.request_id != rid])
                 for out in mine:
                     done = out.finished
                     yield out

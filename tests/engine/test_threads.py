@@ -233,3 +233,52 @@ def test_a_stream_collected_in_the_middle_of_a_step_is_abandoned_after_it(llm_an
     assert len(llm.generate(prompts, greedy(4))) == len(prompts)
     assert_drained(engine)
     assert not engine.has_unfinished_requests() and not engine.pending_outputs
+
+
+@pytest.mark.parametrize("caller", ["generate", "stream"])
+def test_ctrl_c_right_after_a_callers_step_leaves_the_other_requests_outputs(llm_and_solo, caller):
+    """Found by a review: a KeyboardInterrupt landing in generate() or a stream right after its
+    engine.step() returned, before the other requests' outputs were set aside, lost them: a
+    bystander stream missed a token (39 of 40) or ended on "its final output was taken by another
+    caller". The interruption is placed by a trace function at the first line the caller runs
+    after its step returns."""
+    import sys
+
+    from pcg_engine import llm as llm_module
+    llm, solo = llm_and_solo
+    engine = llm.engine
+    code = (llm_module.LLM._generate if caller == "generate" else llm_module.LLM._stream).__code__
+    returned = []
+    real_step = engine.step
+
+    def step():
+        outputs = real_step()
+        returned.append(True)
+        return outputs
+
+    def local(frame, event, arg):
+        if event == "line" and returned == [True]:
+            returned.append(False)              # once
+            raise KeyboardInterrupt
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    bystander = llm.stream(PROMPTS_A[5], greedy(40))
+    got = [next(bystander).new_token_ids]     # running, with a token of every step to come
+    engine.step = step
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if caller == "generate":
+                llm.generate(PROMPTS_B[:1], greedy())
+            else:
+                next(llm.stream(PROMPTS_B[0], greedy()))
+    finally:
+        sys.settrace(None)
+        del engine.step
+    assert returned == [True, False], "the interruption did not land after a step: the test tests nothing"
+    got += [out.new_token_ids for out in bystander]
+    assert sum(got, []) == solo["stream"]
+    assert_drained(engine)
