@@ -368,6 +368,11 @@ def cmd_generate(args) -> int:
                     # or its raise_exception() refusing the messages, ended in a traceback
                     raise SystemExit(f"--chat: {source}: the chat template of {llm.engine.model_path} failed: "
                                      f"{type(e).__name__}: {e}") from None
+                if not chats[-1]:
+                    # (the engine then refused the empty text as "--prompt: is empty", blaming the user's
+                    # prompt; found by a review)
+                    raise SystemExit(f"--chat: {source}: the chat template of {llm.engine.model_path} made empty "
+                                     "text of the prompt; leave out --chat to send the prompts as they are")
             given, prompts = prompts, chats
         # The tokenizer loads on first use (~0.7 s on the dev VM): before the clock starts where this
         # run uses it (text prompts, outputs to detokenize), so the summary's rates and TTFT time

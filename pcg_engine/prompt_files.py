@@ -84,6 +84,11 @@ OTHER_ENGINES_OPTIONS = {
     "logit_bias": "not implemented", "prompt_logprobs": "not implemented",
     "include_stop_str_in_output": "not implemented (the text leaves the stop string out)",
     "do_sample": "give temperature instead (0: greedy)", "response_format": "not implemented",
+    # (found by a review: ignored without a word, e.g. a banned word sampled first)
+    "bad_words": "not implemented", "allowed_token_ids": "not implemented",
+    "spaces_between_special_tokens": "not implemented (the text is the tokenizer's decode)",
+    "add_special_tokens": "not implemented (text prompts are encoded without special tokens)",
+    "chat_template_kwargs": "not implemented (--chat renders the template with the prompt alone)",
 }
 
 

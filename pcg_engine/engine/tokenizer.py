@@ -14,10 +14,14 @@ from pathlib import Path
 from pcg_engine.errors import CheckpointError
 from pcg_engine.models.json_file import read_json_object
 from pcg_engine.models.model_config import token_ids_ok
+from pcg_engine.models.regular_file import open_regular
 
 
 # The tokenizer's JSON files, read by this module and by transformers.
-TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# added_tokens.json too: transformers reads it while loading, and a broken one was blamed on the
+# files above (found by a review).
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 def load_tokenizer(path: Path):
@@ -32,13 +36,14 @@ def load_tokenizer(path: Path):
     path = Path(path)
     for name in TOKENIZER_JSON_FILES:
         _read_json(path / name)
+    _check_chat_template_file(path / CHAT_TEMPLATE_FILE)
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:
         # Valid JSON of the wrong structure: which file, only transformers' reason can tell.
-        present = [f.name for f in sorted(path.iterdir()) if f.name.startswith(("tokenizer", "special_tokens",
-                                                                                 "vocab", "merges"))]
+        present = [f.name for f in sorted(path.iterdir()) if f.name.startswith((
+            "tokenizer", "special_tokens", "vocab", "merges", "added_tokens", "chat_template"))]
         raise CheckpointError(f"{path}: the tokenizer ({', '.join(present)}) cannot be loaded: "
                               f"{type(e).__name__}: {e}") from e
     # transformers keeps this field unchecked and compares it with every encoded length: a string
@@ -48,6 +53,22 @@ def load_tokenizer(path: Path):
         raise CheckpointError(f"{path / 'tokenizer_config.json'}: model_max_length is {limit!r}; allowed: a "
                               "number of tokens (or no such key)")
     return tokenizer
+
+
+def _check_chat_template_file(file: Path) -> None:
+    """chat_template.jinja, read by transformers while loading the tokenizer (for every text
+    prompt, chat or not): text it cannot decode failed the load with a UnicodeDecodeError blamed on
+    tokenizer.json (found by a review)."""
+    if not file.is_file():
+        return
+    try:
+        with open_regular(file) as f:
+            f.read().decode("utf-8")
+    except OSError as e:
+        raise CheckpointError(f"{file}: unreadable ({e})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start}); a chat template is "
+                              "Jinja text") from None
 
 
 # Files that hold a vocabulary: a fast tokenizer's, a BPE one's, a SentencePiece model. Without any,

@@ -330,6 +330,9 @@ def test_prompts_file_nested_sampling_fields_are_refused(tmp_path, key):
 
 @pytest.mark.parametrize("key, why", [
     ("best_of", "add the prompt again with another seed"), ("logit_bias", "not implemented"),
+    # found by a review: these ran without a word (a banned word sampled first)
+    ("bad_words", "not implemented"), ("allowed_token_ids", "not implemented"),
+    ("chat_template_kwargs", "not implemented \\(--chat renders"),
     ("do_sample", "give temperature instead \\(0: greedy\\)"), ("prompt_logprobs", "not implemented"),
     ("include_stop_str_in_output", "not implemented"),
 ])
@@ -594,6 +597,15 @@ def test_chat_template_that_fails_names_the_flag(tiny_paths, tmp_path, capsys, t
     path = _with_chat_template(tiny_paths["tiny-qwen3"], tmp_path, template)
     line = _chat_error(path, capsys)
     assert line.startswith(f"error: --chat: --prompt: the chat template of {tmp_path} failed: {error}"), line
+
+
+def test_chat_template_that_makes_empty_text_names_the_template(tiny_paths, tmp_path, capsys):
+    """Found by a review: a template that rendered "" was refused as "--prompt (prompt): is empty",
+    blaming the prompt the user gave."""
+    path = _with_chat_template(tiny_paths["tiny-qwen3"], tmp_path, '{{ "" }}')
+    line = _chat_error(path, capsys)
+    assert line == (f"error: --chat: --prompt: the chat template of {tmp_path} made empty text of the prompt; "
+                    "leave out --chat to send the prompts as they are"), line
 
 
 def test_cli_refusals_raised_as_system_exit_are_one_error_line(tmp_path, capsys):

@@ -63,7 +63,7 @@ def test_eos_file_variants(tok_copy):
     ("tokenizer.json", b"{bad", "tokenizer.json: not valid JSON (Expecting property name"),
     ("tokenizer.json", b"\xff\xfe", "tokenizer.json: not valid JSON ('utf-8' codec can't decode"),
     ("tokenizer.json", b'{"version": "1.0", "model": 5}',
-     ": the tokenizer (tokenizer.json, tokenizer_config.json) cannot be loaded: "),
+     "tokenizer.json, tokenizer_config.json) cannot be loaded: "),
     ("tokenizer_config.json", b"{bad", "tokenizer_config.json: not valid JSON"),
     ("tokenizer_config.json", b"[1, 2]", "tokenizer_config.json: expected a JSON object, got list"),
     ("special_tokens_map.json", b'"x"', "special_tokens_map.json: expected a JSON object, got str"),
@@ -77,6 +77,22 @@ def test_broken_tokenizer_file_is_named(tok_copy, name, content, expected):
         with pytest.raises(CheckpointError) as info:
             read()
         assert str(tok_copy) in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("added_tokens.json", b"{bad", "added_tokens.json: not valid JSON (Expecting property name"),
+    ("added_tokens.json", b"[1]", "added_tokens.json: expected a JSON object, got list"),
+    ("chat_template.jinja", b"\xff{{ x }}", "chat_template.jinja: not UTF-8 text (invalid start byte at byte 0)"),
+])
+def test_broken_file_the_tokenizer_loads_too_is_named(tok_copy, name, content, expected):
+    """Found by a review: transformers reads added_tokens.json and chat_template.jinja while loading
+    the tokenizer (for any text prompt, chat or not); a broken one failed the load as "the tokenizer
+    (tokenizer.json, tokenizer_config.json) cannot be loaded: JSONDecodeError ...", or with a bare
+    AttributeError, naming neither file."""
+    (tok_copy / name).write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        load_tokenizer(tok_copy)
+    assert str(info.value).startswith(f"{tok_copy / name}: ") and expected in str(info.value), str(info.value)
 
 
 def _give_twice(file, old, new):
