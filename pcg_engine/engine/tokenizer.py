@@ -127,6 +127,11 @@ def tokenizer_eos_id(path: Path):
     named = [d["eos_token"] for d in (config, special) if isinstance(d, dict) and "eos_token" in d]
     if not named:
         return _UNKNOWN                   # the tokenizer class may have a default: ask it
+    if isinstance(config, dict) and "eos_token" not in config and "added_tokens_decoder" in config:
+        # Named in special_tokens_map.json alone, beside an added_tokens_decoder: transformers 5
+        # then reads that file or not by version (5.25 does not, keeping the class's default),
+        # so the files alone cannot tell; ask the tokenizer (found by a review).
+        return _UNKNOWN
     texts = {None if v is None else _token_text(v) for v in named}
     if len(texts) != 1 or _UNKNOWN in texts:
         return _UNKNOWN

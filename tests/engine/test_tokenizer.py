@@ -57,6 +57,12 @@ def test_eos_file_variants(tok_copy):
     assert tokenizer_eos_id(tok_copy) is _UNKNOWN
     _edit(tok_copy, "tokenizer_config.json", lambda d: d.update(eos_token=None))
     assert tokenizer_eos_id(tok_copy) is None
+    # named in special_tokens_map.json alone, beside an added_tokens_decoder (found by a review:
+    # transformers 5.25 does not read that file then, and its tokenizer's EOS was another): ask it
+    _edit(tok_copy, "tokenizer_config.json", lambda d: (d.pop("eos_token"), d.update(
+        added_tokens_decoder={str(want): {"content": text, "special": True}})))
+    _edit(tok_copy, "special_tokens_map.json", lambda d: d.update(eos_token=text))
+    assert tokenizer_eos_id(tok_copy) is _UNKNOWN
 
 
 @pytest.mark.parametrize("name, content, expected", [
