@@ -423,6 +423,25 @@ def add_random_requests(llm, num: int, prompt_len: int, max_tokens: int, seed: i
     return [llm.engine.add_request(p, params) for p in prompts], prompts, params
 
 
+def steps_before_decoding(n: int, prompt_len: int, max_num_batched_tokens: int) -> int:
+    """At most how many steps n requests of prompt_len tokens take until all of them decode: each
+    step's token budget, less a token for every request already decoding, goes to prefill. (Not
+    counting the decodes undercounted it, and early requests finished inside a measure of "n
+    running" at a small budget: 241.7 tokens a step in the row of 256; found by a review.)"""
+    return -(-n * prompt_len // max(1, max_num_batched_tokens - n)) + 2
+
+
+def refuse_unless_all_running(engine, ids, flags: str) -> None:
+    """After a measure of len(ids) running requests: each must still be running (none finished,
+    none preempted or waiting), or the figure is not of that many."""
+    from pcg_engine.engine.request import RequestStatus
+    running = sum(1 for rid in ids if getattr(engine.requests.get(rid), "status", None) is RequestStatus.RUNNING)
+    if running < len(ids):
+        raise SystemExit(f"{flags}: only {running} of the {len(ids)} requests were still running at the end of the "
+                         "measured steps (the others finished, or waited for KV blocks), so the figure is not of "
+                         f"{len(ids)} running; give the KV cache more blocks or ask for fewer requests or steps")
+
+
 def step_until_decoding(engine, ids) -> None:
     """Step the engine until every request of `ids` has its first token, i.e. is decoding."""
     requests = [engine.requests[rid] for rid in ids]

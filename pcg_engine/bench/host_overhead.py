@@ -47,8 +47,7 @@ class FakeForward:
 def output_tokens(n: int, prompt_len: int, max_num_batched_tokens: int, warm_steps: int, steps: int) -> int:
     """Each request's max_tokens at n running: enough that nobody finishes while timed (prefill
     chunks + warm-up + timed steps)."""
-    prefill_steps = -(-n * prompt_len // max_num_batched_tokens) + 2
-    return prefill_steps + warm_steps + steps + 4
+    return common.steps_before_decoding(n, prompt_len, max_num_batched_tokens) + warm_steps + steps + 4
 
 
 def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int, seed: int,
@@ -78,6 +77,7 @@ def measure(llm, impl: str, n: int, steps: int, prompt_len: int, warm_steps: int
         if profiler is not None:
             profiler.disable()
             _write_profile(profiler, profile_path, f"{impl}, {n} running, {steps} timed steps")
+        common.refuse_unless_all_running(engine, ids, f"--batch-sizes {n}")
         probe_after = cpu_probe.probe()
         stats = engine.stats
         decoded = stats.generated_tokens

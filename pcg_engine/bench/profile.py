@@ -63,8 +63,10 @@ def install_labels(engine) -> None:
 
 
 def output_tokens(args) -> int:
-    """Each request's max_tokens: the warm-up and profiled steps, with a margin."""
-    return args.warm_steps + args.steps + 8
+    """Each request's max_tokens: the steps until all decode, the warm-up and profiled steps, with a
+    margin (without the first, early requests finished inside the profile: 25 of 64 left)."""
+    budget = common.EngineConfig(**common.engine_kwargs(args)).max_num_batched_tokens
+    return common.steps_before_decoding(args.requests, args.prompt_len, budget) + args.warm_steps + args.steps + 8
 
 
 def profile_config(name: str, kw: dict, args, model: str, out_dir: Path, on_cuda: bool) -> dict:
@@ -84,6 +86,7 @@ def profile_config(name: str, kw: dict, args, model: str, out_dir: Path, on_cuda
             engine.step()
         if on_cuda:
             torch.cuda.synchronize()
+    common.refuse_unless_all_running(engine, ids, f"--requests {args.requests}")
     slug = "".join(c if c.isalnum() else "_" for c in name)
     trace_path = out_dir / f"trace_{slug}.json"
     prof.export_chrome_trace(str(trace_path))

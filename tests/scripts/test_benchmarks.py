@@ -562,6 +562,28 @@ def test_host_overhead(tmp_path):
     assert "persistent, 8 running, 3 timed steps" in (tmp_path / "host.prof.txt").read_text()
 
 
+def test_host_overhead_keeps_every_request_running_at_a_small_token_budget(tmp_path):
+    """Found by a review: max_tokens left the decodes out of the prefill phase's token budget, so at
+    a small --max-num-batched-tokens early requests finished inside the timed steps (31.68 tokens a
+    step in the row of 32 running; 241.7 at 256)."""
+    out = tmp_path / "host.json"
+    assert overhead.main(["--host-only", "--device", "cpu", "--batch-sizes", "32", "--host-steps", "3",
+                          "--warm-steps", "1", "--prompt-len", "64", "--max-num-batched-tokens", "64",
+                          "--fake-vocab", "16", "--json", str(out)]) == 0
+    assert [run["tokens_per_step"] for run in read(out)["runs"]] == [32.0, 32.0]
+
+
+def test_profile_keeps_every_request_running_through_the_profile(tmp_path):
+    """Found by a review: each request's max_tokens left out the steps its neighbours' prefill took,
+    so the profile of "64 requests" ended with 25 running. Now they last, and a profile where some
+    stopped running (finished, or waiting for KV blocks) is refused, not labelled N requests."""
+    flags = ["--device", "cpu", "--configs", "eager", "--requests", "16", "--prompt-len", "48",
+             "--max-num-batched-tokens", "32", "--steps", "2", "--warm-steps", "0", "--out-dir", str(tmp_path)]
+    assert profile.main(flags) == 0
+    with pytest.raises(SystemExit, match="only [0-9]+ of the 16 requests were still running"):
+        profile.main([*flags[:-4], "--num-kv-blocks", "20", "--out-dir", str(tmp_path)])
+
+
 @pytest.mark.parametrize("config", ["full graphs", "full + piecewise + async"])
 def test_profile_refuses_a_graph_config_on_cpu(config, tmp_path):
     with pytest.raises(SystemExit, match="needs CUDA"):
