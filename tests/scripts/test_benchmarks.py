@@ -1025,7 +1025,7 @@ def test_block_manager_bench_runs_both_trees(capsys):
     (overhead, ["--host-only", "--batch-sizes", "4", "--prompt-len", "55", "--host-steps", "3", "--warm-steps", "1"],
      "--prompt-len / --host-steps / --warm-steps: the longest request is 55 prompt + 11 output tokens"),
     (profile, ["--prompt-len", "60"], "--prompt-len / --steps / --warm-steps: the longest request is 60 prompt + "
-     "16 output tokens"),
+     "19 output tokens"),
 ])
 def test_benchmarks_refuse_requests_longer_than_max_model_len_before_building_an_engine(module, flags, named,
                                                                                        monkeypatch):
