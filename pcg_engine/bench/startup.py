@@ -71,18 +71,23 @@ def run_once(model: str, config: dict, cache_root: str, profile_path: str | None
     env["PYTHONPYCACHEPREFIX"] = pycache or os.path.join(cache_root, "pycache")   # see the module docstring
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     payload = json.dumps({"model": model, "compile_cache_dir": os.path.join(cache_root, "pcg"), **config})
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, payload], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    ready = None
-    for line in proc.stdout:
-        if line.startswith("PCG_READY "):
-            ready = time.perf_counter() - t0
-            info = json.loads(line[len("PCG_READY "):])
-            break
-    out, err = proc.communicate()
-    if ready is None:
-        raise SystemExit(f"start-up run failed (exit {proc.returncode}):\n{err[-3000:]}")
+    # The child's stderr goes to a file, not a pipe read only at its end: more than a pipe's 64 KiB
+    # of it (TORCH_LOGS=+dynamo, PYTHONVERBOSE=1) blocked the child in its write while this process
+    # waited for its ready line, for ever (found by a review).
+    with tempfile.TemporaryFile(mode="w+") as err_file:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, payload], stdout=subprocess.PIPE, stderr=err_file,
+                                text=True, env=env)
+        ready = None
+        for line in proc.stdout:
+            if line.startswith("PCG_READY "):
+                ready = time.perf_counter() - t0
+                info = json.loads(line[len("PCG_READY "):])
+                break
+        proc.communicate()
+        if ready is None:
+            err_file.seek(0)
+            raise SystemExit(f"start-up run failed (exit {proc.returncode}):\n{err_file.read()[-3000:]}")
     return {"ready_s": ready, **info}
 
 

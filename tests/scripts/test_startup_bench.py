@@ -72,3 +72,30 @@ def test_a_bad_setting_is_refused_naming_the_flag_before_any_run(monkeypatch, tm
         assert main(["bench", "startup", "--model", str(tmp_path), *flags]) == 2
         assert capsys.readouterr().err.startswith(expected)
     assert FakeChild.envs == []
+
+
+def test_a_child_writing_much_to_stderr_is_read_not_waited_on_for_ever(monkeypatch, tmp_path):
+    """Found by a review: the child's stderr was a pipe read only at its end, so a child that wrote
+    more than the pipe holds before its ready line (TORCH_LOGS=+dynamo, PYTHONVERBOSE=1) blocked in
+    that write while the bench waited for the line, for ever. A thread with a timeout fails instead."""
+    import threading
+
+    import pytest
+    ready = "print('PCG_READY ' + json.dumps({'timings': {}, 'mode': 'eager'}), flush=True)"
+    results = {}
+
+    def run(code, key):
+        monkeypatch.setattr(startup, "_CHILD", code)
+        try:
+            results[key] = startup.run_once("model-dir", {}, str(tmp_path))
+        except SystemExit as e:
+            results[key] = e
+    for code, key in [(f"import json, sys; sys.stderr.write('x' * (1 << 20)); sys.stderr.flush(); {ready}", "ready"),
+                      ("import sys; sys.stderr.write('y' * (1 << 20) + 'the end'); sys.exit(3)", "failed")]:
+        thread = threading.Thread(target=run, args=(code, key), daemon=True)
+        thread.start()
+        thread.join(60)
+        if thread.is_alive():
+            pytest.fail("the bench waited for ever on a child blocked writing its stderr")
+    assert results["ready"]["mode"] == "eager" and results["ready"]["ready_s"] > 0
+    assert str(results["failed"]).startswith("start-up run failed (exit 3):") and str(results["failed"]).endswith("the end")
