@@ -562,6 +562,16 @@ def test_host_overhead(tmp_path):
     assert "persistent, 8 running, 3 timed steps" in (tmp_path / "host.prof.txt").read_text()
 
 
+@pytest.mark.parametrize("flag", [["--prompt-len=8"], ["--prompt", "8"], ["--prompt-len", "8"], []])
+def test_host_overhead_takes_the_prompt_length_in_any_form(tmp_path, flag):
+    """Found by a review: the host-only run replaced --prompt-len=8 (or the abbreviation --prompt 8)
+    with its default of 128, as it looked for "--prompt-len" among the arguments."""
+    out = tmp_path / "host.json"
+    assert overhead.main(["--host-only", "--device", "cpu", "--batch-sizes", "2", "--host-steps", "2",
+                          "--warm-steps", "0", "--fake-vocab", "16", "--json", str(out), *flag]) == 0
+    assert read(out)["config"]["prompt_len"] == (8 if flag else 128)
+
+
 def test_host_overhead_keeps_every_request_running_at_a_small_token_budget(tmp_path):
     """Found by a review: max_tokens left the decodes out of the prefill phase's token budget, so at
     a small --max-num-batched-tokens early requests finished inside the timed steps (31.68 tokens a
