@@ -27,6 +27,7 @@ COMPILED_MODES = ("compile", "piecewise", "full_and_piecewise")
 # 2**18: a whole prompt of the longest context the supported models take (Qwen3-2507's 262,144) in one
 # step; chunked prefill splits longer ones, and a larger budget would only fail in an allocation.
 MAX_NUM_BATCHED_TOKENS = 2**18
+MAX_NUM_SEQS = 4096
 # The modes that read each bucket list (compile/setup.py takes them from here): piecewise graphs pad
 # a step to a token bucket, full decode graphs a decode batch to a batch bucket; eager and compile
 # capture no graphs.
@@ -145,7 +146,8 @@ class EngineConfig:
         check("gpu_memory_utilization", is_real(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
               "a number in (0, 1]")
         check("cpu_kv_blocks", is_int(self.cpu_kv_blocks) and self.cpu_kv_blocks >= least, f"an int >= {at_least}")
-        check("max_num_seqs", is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 4096, "1..4096")
+        check("max_num_seqs", is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= MAX_NUM_SEQS,
+              f"1..{MAX_NUM_SEQS}")
         check("max_num_batched_tokens", is_int(self.max_num_batched_tokens)
               and 1 <= self.max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS, f"1..{MAX_NUM_BATCHED_TOKENS}")
         check("max_model_len", self.max_model_len is None or (is_int(self.max_model_len)

@@ -456,17 +456,28 @@ def main(argv=None, prog=None):
     parser.add_argument("--only", metavar="SECTIONS", default=",".join(DEFAULT_SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} "
                              f"(default: {','.join(DEFAULT_SECTIONS)})")
-    parser.add_argument("--attention-sweep", choices=("none", "quick", "full"), default="quick",
+    parser.add_argument("--attention-sweep", choices=("none", "quick", "full"), default=None,
                         help="decode launch variants (attention section): quick ~1 min, full every "
-                             "variant at every shape")
+                             "variant at every shape (default: quick)")
     parser.add_argument("--moe-sweep", action="store_true",
                         help="moe section: also time the few-token GEMV path's two launches alone over a tile "
                              "sweep at 1 and 4 tokens (the tuning of kernels/moe_gemv.py's table)")
     args = parser.parse_args(argv)
     # Checked here, not on the GPU only: a misspelt section was a KeyError traceback there.
-    for name in args.only.split(","):
-        if name.strip() not in SECTIONS:
-            parser.error(f"--only: {name.strip()!r} is not a section; allowed: {', '.join(SECTIONS)}")
+    only = [name.strip() for name in args.only.split(",")]
+    for name in only:
+        if name not in SECTIONS:
+            parser.error(f"--only: {name!r} is not a section; allowed: {', '.join(SECTIONS)}")
+    if len(set(only)) < len(only):
+        parser.error(f"--only: {args.only!r} names a section twice; each runs once")
+    # A section's own flag without its section was accepted and read by nothing (found by a review).
+    for flag, given, section in (("--moe-sweep", args.moe_sweep, "moe"),
+                                 ("--attention-sweep", args.attention_sweep is not None, "attention")):
+        if given and section not in only:
+            parser.error(f"{flag}: only with the {section} section, which reads it; add {section} to --only "
+                         f"(got --only {args.only})")
+    if args.attention_sweep is None:
+        args.attention_sweep = "quick"
     # The record every benchmark's JSON carries (BENCHMARKS.md: command, commit, date, card); it
     # held the versions alone. No model: these kernels run on random tensors.
     record = {"benchmark": "kernels", **env_record(None), "config": config_record(args)}
@@ -482,8 +493,8 @@ def main(argv=None, prog=None):
                     attention=lambda: attention_rows(args.attention_sweep), graph_split=graph_split_rows,
                     argmax=argmax_rows_section, rope_attention=rope_attention_section)
     rows = []
-    for name in args.only.split(","):
-        rows += sections[name.strip()]()
+    for name in only:
+        rows += sections[name]()
         torch.cuda.empty_cache()
     print_table(rows, f"pcg-engine kernels on {gpu} (ceilings: copy {COPY_GBPS / 1e3:.2f} TB/s, "
                       f"bf16 matmul {MATMUL_TFLOPS:.0f} TFLOP/s)")

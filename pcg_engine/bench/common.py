@@ -45,20 +45,30 @@ def resolve_model(model: str | None, seed: int = 0) -> str:
 
 
 # ---- flags ---------------------------------------------------------------------------------------
-def int_at_least(low: int):
-    """An argparse type: an integer >= low. A bad value stops the command at parse time, naming the
-    flag and its range (`error: argument --num-prompts: must be an integer >= 1, got 0`), before
-    an engine is built."""
+def int_at_least(low: int, high: int | None = None):
+    """An argparse type: an integer >= low (and <= high when given). A bad value stops the command
+    at parse time, naming the flag and its range (`error: argument --num-prompts: must be an
+    integer >= 1, got 0`), before an engine is built."""
+    allowed = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
         return value
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = allowed
     return parse
+
+
+def max_num_seqs_flag(text: str) -> int:
+    """An argparse type for a benchmark flag that sets max_num_seqs (overhead's --slots and
+    --batch-sizes, profile's --requests): EngineConfig's range, refused under the flag's own name
+    (`--slots 5000` read "max_num_seqs: got 5000", a name the command line does not have)."""
+    from pcg_engine.config import MAX_NUM_SEQS
+    return int_at_least(1, MAX_NUM_SEQS)(text)
 
 
 def fraction(text: str) -> float:
@@ -171,6 +181,21 @@ def only_with(args: argparse.Namespace, switch: str, defaults: dict) -> None:
     if given and not getattr(args, switch.lstrip("-").replace("-", "_")):
         flag = "--" + given[0].replace("_", "-")
         raise SystemExit(f"{flag}: only with {switch}, the run that reads it; give {switch} or leave {flag} out")
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
+def not_with(args: argparse.Namespace, switch: str, defaults: dict) -> None:
+    """The other side of only_with: flags that the run without the switch alone reads (parsed with
+    default None), refused when given with the switch, naming both; then set to their defaults.
+    (`overhead --host-only --slots 8 --configs bogus` ran the host-only run, ignored both and
+    recorded them in its JSON as if they had been used.)"""
+    if getattr(args, switch.lstrip("-").replace("-", "_")):
+        given = [name for name in defaults if getattr(args, name) is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise SystemExit(f"{flag}: not with {switch}, which does not read it; leave {flag} out or drop {switch}")
     for name, default in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -521,17 +546,18 @@ def directory_path(value: str) -> str:
     return value
 
 
-def int_list_at_least(low: int):
-    """An argparse type: comma-separated integers >= low ('16,64,256'), refused at parse time naming
-    the bad item (a ValueError traceback from int(), or a size of 0 taken, before)."""
-    item = int_at_least(low)
+def int_list_at_least(low: int, high: int | None = None):
+    """An argparse type: comma-separated integers >= low (and <= high) ('16,64,256'), refused at
+    parse time naming the bad item (a ValueError traceback from int(), or a size of 0 taken, before)."""
+    item = int_at_least(low, high)
+    allowed = f"integers >= {low}" if high is None else f"integers in {low}..{high}"
 
     def parse(text: str) -> list[int]:
         values = [s.strip() for s in text.split(",") if s.strip()]
         if not values:
-            raise argparse.ArgumentTypeError(f"give comma-separated integers >= {low}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"give comma-separated {allowed}, got {text!r}")
         return [item(s) for s in values]
-    parse.__name__ = f"comma-separated integers >= {low}"
+    parse.__name__ = f"comma-separated {allowed}"
     return parse
 
 

@@ -12,7 +12,8 @@ import resource
 import time
 from pathlib import Path
 
-from pcg_engine.bench.common import HelpFormatter, env_record, json_path, print_table, resolve_model, write_json
+from pcg_engine.bench.common import (HelpFormatter, config_record, env_record, json_path, print_table, resolve_model,
+                                     write_json)
 
 
 def _read_files(files) -> float:
@@ -99,7 +100,9 @@ def main(argv=None) -> int:
               "peak_host_above_baseline_gib": (peak[0] - base[0]) / 1024,
               "peak_anon_host_above_baseline_gib": (peak[1] - base[1]) / 1024,
               "num_files": len(files), "parameters": sum(x.numel() for x in model.parameters()),
-              **env_record(str(path), device)}
+              # (the dtype decides the bytes loaded: left out, a bf16 and an fp32 load read alike)
+              "dtype": str(dtype).removeprefix("torch."), **env_record(str(path), device),
+              "config": config_record(args)}
     print_table("weight load", ["what", "value"], [[k, v] for k, v in result.items()
                                                    if isinstance(v, (int, float))])
     if args.json:

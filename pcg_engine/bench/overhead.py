@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from pcg_engine.bench import common
+from pcg_engine.config import MAX_NUM_SEQS
 
 CONFIGS = [
     ("eager", dict(mode="eager", fuse=False, kernels=False, async_scheduling=False)),
@@ -137,6 +138,9 @@ def run_table(args, console) -> dict:
             "configs": results, "skipped": notes}
 
 
+# The table run's flags and their defaults (None at parse time: given or not); --host-only reads
+# none of them.
+TABLE_DEFAULTS = {"requests": 16, "slots": 16, "new_tokens": 64, "configs": None, "cpu_compile": False}
 # The host-only group's flags and their defaults (None at parse time: given or not).
 HOST_ONLY_DEFAULTS = {"batch_sizes": [16, 64, 256], "host_steps": 50, "warm_steps": 5, "host_async": False,
                       "host_profile": None, "fake_vocab": None}
@@ -146,18 +150,20 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcg bench overhead", description=__doc__.split("\n\n")[0],
                                 formatter_class=common.HelpFormatter)
     common.add_common_args(p)
-    p.add_argument("--requests", type=common.int_at_least(1), default=16)
-    p.add_argument("--slots", type=common.int_at_least(1), default=16, help="max_num_seqs")
-    p.add_argument("--new-tokens", type=common.int_at_least(1), default=64)
+    # The table run's flags: default None here, filled in by main() (common.not_with).
+    p.add_argument("--requests", type=common.int_at_least(1), default=None, help="(default: 16)")
+    p.add_argument("--slots", type=common.max_num_seqs_flag, default=None, help="max_num_seqs (default: 16)")
+    p.add_argument("--new-tokens", type=common.int_at_least(1), default=None, help="(default: 64)")
     p.add_argument("--prompt-len", type=common.int_at_least(1), default=None,
                    help="default: 16, or 128 with --host-only")
     p.add_argument("--configs", default=None,
                    help="comma-separated subset of the configs (eager always runs; default: every one this device runs)")
-    p.add_argument("--cpu-compile", action="store_true", help="on CPU, also run the piecewise configs ungraphed")
+    p.add_argument("--cpu-compile", action="store_true", default=None,
+                   help="on CPU, also run the piecewise configs ungraphed")
     # The host-only group's defaults are None here and filled in by main() (common.only_with).
     h = p.add_argument_group("host only (P4)")
     h.add_argument("--host-only", action="store_true", help="time host work per step without the model")
-    h.add_argument("--batch-sizes", type=common.int_list_at_least(1), default=None,
+    h.add_argument("--batch-sizes", type=common.int_list_at_least(1, MAX_NUM_SEQS), default=None,
                    help="running decode requests to time, comma-separated (default: 16,64,256)")
     h.add_argument("--host-steps", type=common.int_at_least(1), default=None,
                    help="timed decode steps per size (default: 50)")
@@ -179,6 +185,7 @@ def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     common.refuse_max_num_seqs(args, "--batch-sizes" if args.host_only else "--slots")
     common.only_with(args, "--host-only", HOST_ONLY_DEFAULTS)
+    common.not_with(args, "--host-only", TABLE_DEFAULTS)
     console = Console(stderr=True)
     # By run, where not given. (Looking for "--prompt-len" in argv missed "--prompt-len=8" and the
     # abbreviation "--prompt 8": the host-only run replaced them with 128; found by a review.)

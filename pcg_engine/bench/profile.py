@@ -116,7 +116,7 @@ def make_parser() -> argparse.ArgumentParser:
     names = ", ".join(n for n, _ in CONFIGS)
     p.add_argument("--configs", default=None, help=f"comma-separated, from: {names} "
                    "(default: eager, fused, and on CUDA full graphs, piecewise)")
-    p.add_argument("--requests", type=common.int_at_least(1), default=16, help="running decode requests (= max_num_seqs)")
+    p.add_argument("--requests", type=common.max_num_seqs_flag, default=16, help="running decode requests (= max_num_seqs)")
     p.add_argument("--prompt-len", type=common.int_at_least(1), default=32)
     p.add_argument("--steps", type=common.int_at_least(1), default=5, help="decode steps profiled")
     p.add_argument("--warm-steps", type=common.int_at_least(0), default=3, help="decode steps run before profiling")
@@ -134,6 +134,12 @@ def main(argv=None) -> int:
     on_cuda = torch.cuda.is_available() and not args.device.startswith("cpu")
     table = dict(CONFIGS)
     names = [c.strip() for c in (args.configs or default_configs(on_cuda)).split(",") if c.strip()]
+    # (found by a review: "," ran nothing and ended in a matplotlib traceback; a config named twice
+    # wrote its trace twice to one file)
+    if not names:
+        raise SystemExit(f"--configs: {args.configs!r} names no config; known: {', '.join(table)}")
+    if len(set(names)) < len(names):
+        raise SystemExit(f"--configs: {args.configs!r} names a config twice; each runs once (one trace file each)")
     for n in names:
         if n not in table:
             raise SystemExit(f"--configs: unknown {n!r}; known: {', '.join(table)}")

@@ -674,8 +674,8 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
 
 @pytest.mark.parametrize("argv, expected", [
     # a ValueError traceback from int() (and a size of 0 taken), before
-    (["overhead", "--host-only", "--batch-sizes", "16,abc"], "--batch-sizes: must be an integer >= 1, got 'abc'"),
-    (["overhead", "--host-only", "--batch-sizes", "0"], "--batch-sizes: must be an integer >= 1, got 0"),
+    (["overhead", "--host-only", "--batch-sizes", "16,abc"], "--batch-sizes: must be an integer in 1..4096, got 'abc'"),
+    (["overhead", "--host-only", "--batch-sizes", "0"], "--batch-sizes: must be an integer in 1..4096, got 0"),
     # a FileExistsError traceback from makedirs, before
     (["profile", "--out-dir", "{afile}"], "--out-dir: '{afile}': {afile} is a file, not a directory"),
     (["startup", "--profile-dir", "{afile}/x"], "--profile-dir: '{afile}/x': {afile} is a file, not a directory"),
@@ -685,6 +685,20 @@ def test_generate_errors_name_the_flag(capsys, flags, expected):
     # ignored without a word outside the host-only run, before
     (["overhead", "--batch-sizes", "16"], "error: --batch-sizes: only with --host-only, the run that reads it"),
     (["overhead", "--host-profile", "p.prof"], "error: --host-profile: only with --host-only"),
+    # the table run's flags with --host-only: ignored and recorded in the JSON as used, before
+    (["overhead", "--host-only", "--slots", "8"], "error: --slots: not with --host-only, which does not read it"),
+    (["overhead", "--host-only", "--configs", "bogus"], "error: --configs: not with --host-only"),
+    (["overhead", "--host-only", "--cpu-compile"], "error: --cpu-compile: not with --host-only"),
+    (["overhead", "--host-only", "--requests", "4"], "error: --requests: not with --host-only"),
+    (["overhead", "--host-only", "--new-tokens", "4"], "error: --new-tokens: not with --host-only"),
+    # a matplotlib traceback after running nothing, and one trace file written twice, before
+    (["profile", "--configs", ","], "error: --configs: ',' names no config; known: eager,"),
+    (["profile", "--configs", "eager, eager"], "error: --configs: 'eager, eager' names a config twice"),
+    # "max_num_seqs: got 5000", a name the command line does not have, before
+    (["overhead", "--slots", "5000"], "argument --slots: must be an integer in 1..4096, got 5000"),
+    (["overhead", "--host-only", "--batch-sizes", "16,5000"], "argument --batch-sizes: must be an integer in "
+     "1..4096, got 5000"),
+    (["profile", "--requests", "5000"], "argument --requests: must be an integer in 1..4096, got 5000"),
     (["load-test", "--sweep-start", "2"], "error: --sweep-start: only with --sweep-rates"),
     (["startup", "--warm-repeats", "3"], "error: --warm-repeats: only with --warm-ab"),
     # a traceback after the whole run, before

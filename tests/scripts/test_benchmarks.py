@@ -396,6 +396,26 @@ def test_throughput_p2_defaults():
     assert throughput.P2_MAX_MODEL_LEN == 4096
 
 
+def test_bench_load_records_the_dtype_it_loaded(tmp_path):
+    """Found by a review: `pcg bench load`'s JSON named no dtype (nor its flags), so a bf16 and an
+    fp32 load of one checkpoint read alike."""
+    from pcg_engine.bench import load
+    out = tmp_path / "load.json"
+    assert load.main(["--model", "tiny-qwen3", "--device", "cpu", "--dtype", "fp32", "--json", str(out)]) == 0
+    data = read(out)
+    assert data["dtype"] == "float32" and data["config"]["dtype"] == "fp32" and data["load_s"] > 0
+
+
+def test_throughput_records_no_range_that_a_fixed_length_replaced():
+    """Found by a review: with --input-len, the JSON's config still recorded input_min / input_max
+    as 100 / 1024, a range no length was drawn from."""
+    args = throughput.parse_args(["--input-len", "30"])
+    assert (args.input_len, args.input_min, args.input_max) == (30, None, None)
+    assert (args.output_min, args.output_max) == (100, 1024)
+    rng = np.random.default_rng(0)
+    assert set(throughput.lengths(rng, 8, args.input_len, 0.0, args.input_min, args.input_max).tolist()) == {30}
+
+
 def test_throughput_default_max_model_len_fits_a_smaller_checkpoint(tmp_path):
     """Found by probing: P2's max_model_len 4096, a fixed default, was refused by a checkpoint of 2048
     positions ("max_model_len: got 4096; allowed: 2..2048"), a value the user never gave."""
@@ -643,6 +663,18 @@ def test_kernels_help_names_the_command_and_a_bad_section_is_refused(capsys):
     assert exit_info.value.code == 2
     assert "--only: 'attn' is not a section; allowed: norm, activation, moe, attention, graph_split, argmax, " \
            "rope_attention" in err
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--only", "norm", "--moe-sweep"], "--moe-sweep: only with the moe section, which reads it"),
+    (["--only", "moe", "--attention-sweep", "full"], "--attention-sweep: only with the attention section"),
+    (["--only", "moe,moe"], "--only: 'moe,moe' names a section twice"),
+])
+def test_kernels_refuses_a_flag_no_section_reads(argv, error, capsys):
+    """Found by a review: `--only norm --moe-sweep` was accepted and swept nothing."""
+    with pytest.raises(SystemExit) as exit_info:
+        kernels.main(argv)
+    assert exit_info.value.code == 2 and error in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer: no kernels measured")

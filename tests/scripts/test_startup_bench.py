@@ -62,7 +62,6 @@ def test_a_bad_setting_is_refused_naming_the_flag_before_any_run(monkeypatch, tm
     """Found by following the README: `pcg bench startup --device gpu` (or --max-num-seqs 5000, or
     --mode full_decode on the CPU) started a child process, which failed after its imports with a
     ConfigError traceback ('start-up run failed (exit 1)'); now one line naming the flag, no child."""
-    import pytest
     from pcg_engine.cli import main
     FakeChild.envs.clear()
     monkeypatch.setattr(startup.subprocess, "Popen", FakeChild)
