@@ -153,6 +153,7 @@ class LLM:
 
     def _stream(self, rid: str) -> Iterator[RequestOutput]:
         done = False
+        request = self.engine.requests[rid]
         try:
             # stream() runs to here: from now on closing the generator (or its collection) runs the
             # finally below, also before the caller asked for anything.
@@ -190,7 +191,12 @@ class LLM:
             # Not once its final output is out: the id is free again, and a request that the
             # caller has added under it since is not this stream's to abort.
             if not done:
-                self._abandon([rid])
+                # Flagged also when it has finished: its last outputs may be in another caller's
+                # hands (its step brought them), handed back to the engine later and taken by
+                # nobody: has_unfinished_requests() stayed True for good (found by a review).
+                request.abandoned = True
+                if self.engine.requests.get(rid) in (request, None):   # (not a new request's, under its id)
+                    self._abandon([rid])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block, so the next prompt is computed in full; False (and

@@ -62,14 +62,21 @@ def _locked(method):
     def locked(self, *args, **kwargs):
         with self.lock:
             self._busy += 1
-            settled = False
+            settled, result = False, None
             try:
                 result = method(self, *args, **kwargs)
             finally:
                 self._busy -= 1
                 if self._abandon_later and not self._busy:
                     settled = True
-                    self._settle_abandoned()
+                    try:
+                        self._settle_abandoned()
+                    except BaseException:
+                        # (Ctrl-C in the settle) step()'s outputs go back to the engine, not lost
+                        # with this frame: a bystander stream missed its token (found by a review)
+                        if isinstance(result, list):
+                            self.pending_outputs[:0] = [out for out in result if not abandoned(out)]
+                        raise
             if settled and isinstance(result, list):     # step()'s outputs: none of theirs
                 result = [out for out in result if not abandoned(out)]
             return result
@@ -127,6 +134,7 @@ class LLMEngine:
         # Launched steps whose read-back an exception (Ctrl-C in the wait) stopped: the next step
         # reads them, in launch order, before planning anything (see step()).
         self.unresolved: list[Inflight] = []
+        self._bound_in_launch: list[Request] = []   # the rows the last launch bound (_launch_failed)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -366,19 +374,19 @@ class LLMEngine:
         self._busy += 1           # a collection meanwhile adds to the list; this loop takes it
         try:
             while self._abandon_later:
-                ids, self._abandon_later = self._abandon_later, []
-                for rid in ids:
-                    request = self.requests.get(rid)
-                    if request is None:
-                        continue
+                # One id at a time, taken off the list once done: a stop in here (Ctrl-C) leaves
+                # the rest listed for the next call, not never aborted (found by a review).
+                rid = self._abandon_later[0]
+                request = self.requests.get(rid)
+                if request is not None:
                     request.abandoned = True      # its outputs are nobody's (outputs.abandoned)
                     try:
                         self.abort_request(rid)
                     except Exception:   # pragma: no cover - the engine already failed; keep its error
                         pass
-                dropped = set(ids)
                 self.pending_outputs = [o for o in self.pending_outputs
-                                        if o.request_id not in dropped and not abandoned(o)]
+                                        if o.request_id != rid and not abandoned(o)]
+                del self._abandon_later[0]
         finally:
             self._busy -= 1
 
@@ -483,11 +491,20 @@ class LLMEngine:
         by that layout, a neighbour's token when the rows had changed (found by a review). The step
         in flight is resolved first, as after a stop in the read-back, so that the next launch has
         no placeholder input to fill; and the batch sends all its inputs again (a stop between
-        staging the block table and its copy would leave the device's copy behind)."""
-        self.runner.batch.invalidate()
+        staging the block table and its copy would leave the device's copy behind).
+
+        The rows this launch bound are released, to be bound again by the next launch: a stop
+        between binding a row and writing its sampling row left the row bound, so no later launch
+        wrote it, and a request with a temperature or a seed ran on greedy (found by a review).
+        The step in flight is moved first, in one statement: a second stop in here left it in
+        flight, and the next launch fed a neighbour's token again (found by the same review)."""
         if self.async_scheduling and self.inflight is not None:
-            self.unresolved = [self.inflight]
-            self.inflight = None
+            self.unresolved, self.inflight = [self.inflight], None
+        try:
+            for request in self._bound_in_launch:
+                self._release_row(request)
+        finally:
+            self.runner.batch.invalidate()
 
     def _resolve_interrupted(self) -> list[RequestOutput]:
         """The step after one stopped in its read-back: read the steps it launched, oldest first
@@ -509,6 +526,7 @@ class LLMEngine:
             self._release_row(victim)
 
     def _launch(self, plan) -> Inflight:
+        self._bound_in_launch = bound = []      # released again if this launch fails (_launch_failed)
         batch = self.runner.batch
         row_of = batch.row_of
         state = getattr(batch, "state", None)
@@ -516,6 +534,7 @@ class LLMEngine:
         for request, _ in (plan.scheduled if getattr(plan.scheduled, "rows", None) is None else ()):
             rid = request.request_id
             if rid not in row_of:
+                bound.append(request)
                 row = batch.add(request)
                 if state is not None:
                     self._describe_row(state, row, request)
@@ -530,6 +549,7 @@ class LLMEngine:
         previous = self.inflight.sampled.token_ids if self.inflight is not None else None
         logits, inputs = self.runner.execute(plan.scheduled, previous_tokens=previous)
         rows = streams = None
+        counted = False
         try:
             if self._full_sampler_rows:
                 rows = [batch.row_of[r.request_id] for r in inputs.sample_rows]
@@ -555,16 +575,21 @@ class LLMEngine:
             # it, a raise left every request of the step counted as computed with no token coming,
             # never scheduled again and holding its blocks (another caller's request, when generate()
             # was the one stopped). Now the step is as if not launched: its requests are planned again.
+            if rows is not None:
+                # Counted (penalties, min_tokens) here and taken back if the step fails: counted
+                # for a step planned again, each of its rows ran one token ahead, penalised twice
+                # for it, its min_tokens mask lifted a token early; counted after the scheduler's
+                # update, a stop in between left the step counted as computed with no token to
+                # come, its request never scheduled again (both found by reviews).
+                self.sampling.record_sampled(sampled.token_ids, rows)
+                counted = True
             self.scheduler.update_after_step(plan.scheduled)
         except BaseException:
+            if counted:
+                self.sampling.record_sampled(sampled.token_ids, rows, count=-1)
             for generator, state in streams or ():
                 generator.set_state(state)
             raise
-        if rows is not None:
-            # Counted (penalties, min_tokens) only once the step is launched: counted before, a
-            # failure left each of its rows one token ahead, penalised twice for it, its
-            # min_tokens mask lifted a token early (found by a review).
-            self.sampling.record_sampled(sampled.token_ids, rows)
         self.stats.steps += 1
         if state is not None and getattr(inputs, "sample_row_ids", None) is not None:
             return launch_rows(state, plan.scheduled, inputs, sampled, pending, self.async_scheduling)

@@ -197,19 +197,20 @@ class SamplingTensors:
         return out
 
     def record_sampled(self, token_ids: torch.Tensor,
-                       rows: Sequence[int] | torch.Tensor | None = None) -> None:
+                       rows: Sequence[int] | torch.Tensor | None = None, count: int = 1) -> None:
         """Count this step's sampled tokens (device tensor [n]) into rows (all, in order, if
-        None). Pure device work: async scheduling never has to read the tokens back first."""
+        None). Pure device work: async scheduling never has to read the tokens back first.
+        count=-1 takes back a count made for a step that then failed to launch."""
         if rows is None:
             idx = torch.arange(token_ids.shape[0], device=self.device)
         elif isinstance(rows, torch.Tensor):
             idx = rows.to(self.device, non_blocking=True)
         else:
             idx = _to_device(torch.tensor(list(rows), dtype=torch.int64), self.device)
-        self.num_output.index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
+        self.num_output.index_add_(0, idx, torch.full_like(idx, count, dtype=torch.int32))
         if self.output_counts is not None:
             flat = idx * self.vocab_size + token_ids.to(torch.int64)
-            ones = torch.ones_like(flat, dtype=torch.int32)
+            ones = torch.full_like(flat, count, dtype=torch.int32)
             self.output_counts.view(-1).index_add_(0, flat, ones)
 
     # -- internals ---------------------------------------------------------------------------

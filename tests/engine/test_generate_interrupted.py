@@ -148,17 +148,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("where", ["forward", "sampler"])
+@pytest.mark.parametrize("where", ["forward", "sampler", "forward, then its handling"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_step_stopped_in_its_launch_gives_the_others_their_own_tokens(tiny_paths, where, async_scheduling,
-                                                                        device):
+                                                                        device, monkeypatch):
     """Found by a review: with async scheduling, a step stopped in its forward or its sampling (Ctrl-C
     in generate(), out of memory, a bug) had already rewritten where each row's token sits in the
     step's output. The step after it then filled its placeholder inputs from the step in flight by
     that layout: a neighbour's token. Here request A stops on its third token, so the failed step's
     rows differ from the step in flight's, and B ran on from another token (silently: no invariant
     broke), and the blocks it published held KV computed for tokens other than those they are
-    hashed under, which a later prompt then hit in the prefix cache."""
+    hashed under, which a later prompt then hit in the prefix cache.
+    "forward, then its handling": a second Ctrl-C in the handling of the first (found by session
+    39's review: the handling invalidated the batch before it moved the step in flight aside, and
+    a stop there left the step in flight, as before the fix)."""
     path = tiny_paths["tiny-qwen3"]
     greedy = lambda n, **kw: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)  # noqa: E731
     a, b, c = PROMPTS
@@ -171,6 +174,9 @@ def test_a_step_stopped_in_its_launch_gives_the_others_their_own_tokens(tiny_pat
     finals = {}
     for _ in range(4):
         finals.update({o.request_id: o for o in engine.step() if o.finished})
+    if where == "forward, then its handling":
+        _raise_once(monkeypatch, engine.runner.batch, "invalidate")
+        where = "forward"
     if where == "forward":
         runner, real = engine.runner, engine.runner.forward_fn
 
@@ -258,3 +264,62 @@ def test_a_step_stopped_after_its_sampling_leaves_no_trace_in_the_sampling_state
     finals.update(drain(engine))
     assert_drained(engine)
     assert finals["B"].token_ids == want
+
+
+# ---- session 39's review: the edges of a failed launch --------------------------------------------
+def _greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def _raise_once(monkeypatch, owner, name):
+    """owner.name raises KeyboardInterrupt at its next call, then is itself again."""
+    real = getattr(owner, name)
+
+    def once(*args, **kwargs):
+        monkeypatch.setattr(owner, name, real)
+        raise KeyboardInterrupt(name)
+    monkeypatch.setattr(owner, name, once)
+
+
+@pytest.mark.parametrize("where", ["record_sampled", "update_after_step"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_stop_around_counting_the_sampled_tokens_leaves_a_seeded_request_whole(tiny_paths, async_scheduling,
+                                                                                where, monkeypatch):
+    """Found by a review: the sampled tokens were counted after the scheduler's update, outside the
+    launch's try; a stop in the count left the step counted as computed with no token to come, and
+    the request was never scheduled again (it held its blocks for good). Now the count is taken
+    back and the step planned again: the seeded request's tokens are an uninterrupted run's."""
+    path = tiny_paths["tiny-qwen3"]
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+    want = make_llm(path, mode="eager", num_kv_blocks=64).generate([PROMPTS[1]], params)[0].token_ids
+    engine = make_llm(path, async_scheduling=async_scheduling, mode="eager", num_kv_blocks=64).engine
+    engine.add_request(PROMPTS[1], params, request_id="B")
+    finals = {}
+    for _ in range(3):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    # in the count, or in the scheduler's update after it (the count is taken back)
+    _raise_once(monkeypatch, engine.sampling if where == "record_sampled" else engine.scheduler, where)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    finals.update(drain(engine, max_steps=50))
+    assert finals["B"].token_ids == want
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_stop_before_a_fresh_rows_sampling_is_written_keeps_its_sampling(tiny_paths, async_scheduling,
+                                                                          monkeypatch):
+    """Found by a review: a stop between binding a request's row and writing its sampling row left
+    the row bound; no later launch wrote it, and a request with a temperature and a seed ran on
+    greedy. Now the launch's fresh rows are released and bound again by the next launch."""
+    path = tiny_paths["tiny-qwen3"]
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=8, ignore_eos=True)
+    want = make_llm(path, mode="eager", num_kv_blocks=64).generate([PROMPTS[1]], params)[0].token_ids
+    engine = make_llm(path, async_scheduling=async_scheduling, mode="eager", num_kv_blocks=64).engine
+    _raise_once(monkeypatch, engine.sampling, "write_rows")
+    engine.add_request(PROMPTS[1], params, request_id="B")
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    finals = drain(engine)
+    assert finals["B"].token_ids == want
+    assert_drained(engine)

@@ -282,3 +282,79 @@ def test_ctrl_c_right_after_a_callers_step_leaves_the_other_requests_outputs(llm
     got += [out.new_token_ids for out in bystander]
     assert sum(got, []) == solo["stream"]
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("how", ["closed", "collected"])
+def test_a_stream_dropped_after_its_request_finished_in_another_callers_step(llm_and_solo, how):
+    """Found by a review: a stream whose request had just finished in another caller's step (its
+    final output in that caller's hands, to be handed back) and was then closed, or collected in
+    a cycle, was not flagged: its outputs went round between callers for ever and
+    has_unfinished_requests() stayed True."""
+    import gc
+    llm, solo = llm_and_solo
+    engine = llm.engine
+
+    class Holder:
+        pass
+    holder = Holder()
+    holder.me = holder                 # a cycle: only the collector frees it
+    holder.stream = llm.stream(PROMPTS_B[3], greedy(2))
+    rid = next(iter(engine.requests))
+    stream = holder.stream if how == "closed" else None
+    del holder
+    dropped = []
+
+    def on_output(out):
+        # The stream's request finished in generate's step: its final output is among the others.
+        if not dropped and rid not in engine.requests:
+            dropped.append(True)
+            stream.close() if stream is not None else gc.collect()
+    assert tokens(llm.generate(PROMPTS_A, greedy(), on_output=on_output)) == solo["A"]
+    assert dropped, "the stream's request did not finish inside generate: the test tests nothing"
+    assert not engine.has_unfinished_requests() and not engine.pending_outputs
+    assert_drained(engine)
+
+
+def test_a_stop_while_abandoned_streams_are_settled_loses_no_output_and_no_abort(llm_and_solo):
+    """Found by a review: the settling of abandoned streams at the end of a step runs in the
+    step's `finally`; a Ctrl-C there lost the step's outputs (a bystander stream missed its token)
+    and the abandoned ids not yet aborted (never aborted after)."""
+    import gc
+    llm, solo = llm_and_solo
+    engine = llm.engine
+    bystander = llm.stream(PROMPTS_A[5], greedy(40))
+    got = [next(bystander).new_token_ids]
+
+    class Holder:
+        pass
+    holder = Holder()
+    holder.me = holder
+    holder.s1, holder.s2 = llm.stream(PROMPTS_B[0], greedy(30)), llm.stream(PROMPTS_B[1], greedy(30))
+    next(holder.s1), next(holder.s2)
+    del holder
+    real_execute, real_abort = engine.runner.execute, engine.abort_request
+    armed = [True, True]
+
+    def execute(*args, **kwargs):
+        if armed[0]:
+            armed[0] = False
+            gc.collect()               # both streams closed mid-step: their abandon waits for its end
+        return real_execute(*args, **kwargs)
+
+    def abort(*args, **kwargs):
+        if armed[1]:
+            armed[1] = False
+            raise KeyboardInterrupt    # Ctrl-C in the settle at the step's end
+        return real_abort(*args, **kwargs)
+    engine.runner.execute, engine.abort_request = execute, abort
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS_B[2:3], greedy(6))
+    finally:
+        del engine.runner.execute, engine.abort_request
+    assert armed == [False, False], "the stop did not land in the settle: the test tests nothing"
+    got += [out.new_token_ids for out in bystander]
+    assert sum(got, []) == solo["stream"]
+    llm.generate(PROMPTS_A[:1], greedy(4))    # the next call settles what the stop left
+    assert not engine.has_unfinished_requests() and not engine.pending_outputs
+    assert_drained(engine)
