@@ -41,7 +41,10 @@ def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
         line = data.count(b"\n", 0, at) + 1
         raise SystemExit(f"{flag}: {path} is not UTF-8 text: line {line}: {e.reason} at byte {at}") from None
     text = text.replace("\r\n", "\n").replace("\r", "\n")   # every newline convention, as text mode reads
-    return [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    # A mark at the start of a later line too: files saved with one and joined by `cat` carry it
+    # there, and such a JSONL line ran as a text prompt, JSON and all (found by a review).
+    return [(number, line.removeprefix("\ufeff")) for number, line in enumerate(text.split("\n"), 1)
+            if line.removeprefix("\ufeff").strip()]
 
 
 def parse_json(line: str, number: int, flag: str):
@@ -55,8 +58,10 @@ def parse_json(line: str, number: int, flag: str):
                          "meant cannot be told") from None
     except json.JSONDecodeError as e:
         # A text prompt that starts with "{" ("{set} theory") is read as JSON too: say how to give it.
-        raise SystemExit(f"{flag}: line {number} is not valid JSON ({e.msg}): {line[:80]} (a line that starts "
-                         "with '{' is read as a JSON object; give such a text prompt as {\"prompt\": \"...\"})") from None
+        # (the hint is for prompts files, where other lines are text; a dataset takes JSON lines only)
+        hint = (" (a line that starts with '{' is read as a JSON object; give such a text prompt as "
+                "{\"prompt\": \"...\"})") if line.lstrip().startswith("{") else ""
+        raise SystemExit(f"{flag}: line {number} is not valid JSON ({e.msg}): {line[:80]}{hint}") from None
     except (RecursionError, ValueError) as e:   # json's own limits (models/json_file.py says which)
         raise SystemExit(f"{flag}: line {number} is not valid JSON here ({beyond_json_limits(e)}): "
                          f"{line[:80]}") from None

@@ -564,10 +564,23 @@ def int_list_at_least(low: int, high: int | None = None):
 def write_json(path: str | None, payload: dict) -> None:
     if not path:
         return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, default=str)
-        f.write("\n")
+    # Written beside the target and moved over it: a full disk left the previous results cut in
+    # the middle (invalid JSON) after a traceback (found by a review). Now the old file stays whole.
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        if not target.exists() or target.is_file():
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, target)
+        else:                                # /dev/stdout and the like: no file to replace
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(text)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SystemExit(f"--json: cannot write {path}: {e.strerror or e}; the results are lost "
+                         "(the file as it was before is left)") from None
 
 
 def config_record(args: argparse.Namespace) -> dict:

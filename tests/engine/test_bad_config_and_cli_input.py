@@ -234,6 +234,23 @@ def test_prompts_file_with_a_byte_order_mark(tmp_path):
     assert read_dataset(str(path)) == [(1, "first", None), (2, [5, 6], None)]
     path.write_bytes(b"\xef\xbb\xbfplain\n")
     assert _read_prompts(_args(path)) == ["plain"]
+    # Two such files joined by `cat`: the second mark starts a later line (found by a review: that
+    # line's JSON ran as a text prompt at the flags' max_tokens).
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "max_tokens": 3}\n\xef\xbb\xbf{"prompt": "b", "max_tokens": 3}\n')
+    assert _read_prompts(_args(path)) == ["a", "b"]
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n\xef\xbb\xbf{"prompt": "b", "output_len": 3}\n')
+    assert read_dataset(str(path)) == [(1, "a", None), (2, "b", 3)]
+
+
+def test_a_dataset_line_of_text_is_not_told_to_start_with_a_brace(tmp_path):
+    """Found by a review: the hint about lines starting with '{' was given for any line that is not
+    JSON, 'Hello world' in a load-test dataset (which takes JSON lines only) among them."""
+    from pcg_engine.bench.load_test_requests import read_dataset
+    path = tmp_path / "d.jsonl"
+    path.write_text("Hello world\n")
+    with pytest.raises(SystemExit) as e:
+        read_dataset(str(path))
+    assert "line 1 is not valid JSON" in str(e.value) and "starts with '{'" not in str(e.value)
 
 
 @pytest.mark.parametrize("content, expected", [

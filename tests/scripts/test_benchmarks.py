@@ -396,6 +396,27 @@ def test_throughput_p2_defaults():
     assert throughput.P2_MAX_MODEL_LEN == 4096
 
 
+def test_a_json_file_that_cannot_be_written_leaves_the_old_one_whole(tmp_path, monkeypatch):
+    """Found by a review: on a full disk `--json PATH` ended in a traceback after the whole run and
+    left PATH cut in the middle, the previous results lost. Now one line, and the old file stays."""
+    out = tmp_path / "r.json"
+    common.write_json(str(out), {"old": 1})
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        real(self, "{\"cut", encoding="utf-8")       # a part written, then the disk is full
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(SystemExit) as e:
+        common.write_json(str(out), {"new": 2})
+    assert "--json: cannot write" in str(e.value) and "No space left on device" in str(e.value)
+    assert read(out) == {"old": 1} and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    monkeypatch.undo()
+    if Path("/dev/full").exists():            # a device: written in place, its error one line too
+        with pytest.raises(SystemExit, match="cannot write /dev/full"):
+            common.write_json("/dev/full", {"x": 1})
+
+
 def test_bench_load_records_the_dtype_it_loaded(tmp_path):
     """Found by a review: `pcg bench load`'s JSON named no dtype (nor its flags), so a bf16 and an
     fp32 load of one checkpoint read alike."""
