@@ -5,7 +5,6 @@ line naming the flag (and the line's number), not in a traceback; each caller th
 objects' fields. A leading UTF-8 byte-order mark (Windows editors write one) is not part of the
 first line."""
 
-import codecs
 import json
 import re
 import sys
@@ -31,20 +30,17 @@ def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
                 data = f.read()
     except OSError as e:
         raise SystemExit(f"{flag}: cannot read {path}: {e.strerror}") from None
-    # The mark is dropped: left on line 1, a JSONL file's first line did not start with "{" and its
-    # object was run as a text prompt, JSON and all.
-    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        text = data[bom:].decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        at = bom + e.start   # (the byte offset alone left the line to be counted out)
-        line = data.count(b"\n", 0, at) + 1
-        raise SystemExit(f"{flag}: {path} is not UTF-8 text: line {line}: {e.reason} at byte {at}") from None
+        line = data.count(b"\n", 0, e.start) + 1   # (the byte offset alone left the line to be counted out)
+        raise SystemExit(f"{flag}: {path} is not UTF-8 text: line {line}: {e.reason} at byte {e.start}") from None
     text = text.replace("\r\n", "\n").replace("\r", "\n")   # every newline convention, as text mode reads
-    # A mark at the start of a later line too: files saved with one and joined by `cat` carry it
-    # there, and such a JSONL line ran as a text prompt, JSON and all (found by a review).
-    return [(number, line.removeprefix("\ufeff")) for number, line in enumerate(text.split("\n"), 1)
-            if line.removeprefix("\ufeff").strip()]
+    # A byte-order mark is dropped wherever a line starts with one: left on line 1, a JSONL file's
+    # first line did not start with "{" and its object was run as a text prompt, JSON and all; files
+    # saved with one and joined by `cat` carry it at a later line's start too (found by a review).
+    lines = (line.removeprefix("\ufeff") for line in text.split("\n"))
+    return [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
 
 
 def parse_json(line: str, number: int, flag: str):

@@ -177,13 +177,8 @@ def only_with(args: argparse.Namespace, switch: str, defaults: dict) -> None:
     without the switch that asks for that run, naming both; then set to their defaults. Such flags
     were ignored without a word (overhead's --batch-sizes without --host-only, load-test's
     --sweep-start without --sweep-rates, startup's --warm-repeats without --warm-ab)."""
-    given = [name for name in defaults if getattr(args, name) is not None]
-    if given and not getattr(args, switch.lstrip("-").replace("-", "_")):
-        flag = "--" + given[0].replace("_", "-")
-        raise SystemExit(f"{flag}: only with {switch}, the run that reads it; give {switch} or leave {flag} out")
-    for name, default in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    _refuse_given(args, defaults, not _switch_on(args, switch),
+                  "{flag}: only with " + switch + ", the run that reads it; give " + switch + " or leave {flag} out")
 
 
 def not_with(args: argparse.Namespace, switch: str, defaults: dict) -> None:
@@ -191,11 +186,20 @@ def not_with(args: argparse.Namespace, switch: str, defaults: dict) -> None:
     default None), refused when given with the switch, naming both; then set to their defaults.
     (`overhead --host-only --slots 8 --configs bogus` ran the host-only run, ignored both and
     recorded them in its JSON as if they had been used.)"""
-    if getattr(args, switch.lstrip("-").replace("-", "_")):
-        given = [name for name in defaults if getattr(args, name) is not None]
-        if given:
-            flag = "--" + given[0].replace("_", "-")
-            raise SystemExit(f"{flag}: not with {switch}, which does not read it; leave {flag} out or drop {switch}")
+    _refuse_given(args, defaults, _switch_on(args, switch),
+                  "{flag}: not with " + switch + ", which does not read it; leave {flag} out or drop " + switch)
+
+
+def _switch_on(args: argparse.Namespace, switch: str) -> bool:
+    return bool(getattr(args, switch.lstrip("-").replace("-", "_")))
+
+
+def _refuse_given(args: argparse.Namespace, defaults: dict, refuse: bool, message: str) -> None:
+    """only_with / not_with: the first flag of defaults given, refused where `refuse` (message names
+    it as {flag}); then every flag left None set to its default."""
+    given = [name for name in defaults if getattr(args, name) is not None]
+    if given and refuse:
+        raise SystemExit(message.format(flag="--" + given[0].replace("_", "-")))
     for name, default in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
