@@ -190,18 +190,6 @@ class EngineConfig:
                                  "min(max_num_seqs, max_num_batched_tokens)")):
             beyond = [b for b in getattr(self, name) or () if b > limit]
             check(name, not beyond, f"buckets in 1..{limit} ({by}); {beyond} can never be used")
-        if self.mode != "auto":           # "auto": checked once the device is known (ModelRunner)
-            self.check_buckets_used(self.mode)
-
-    def check_buckets_used(self, mode: str) -> None:
-        """A bucket list given for a mode that never reads it was ignored without a word: the
-        graphs it was meant to shape were never captured."""
-        for name, modes in BUCKET_MODES.items():
-            value = getattr(self, name)
-            if value is not None and mode not in modes:
-                how = f"mode {mode!r}" if self.mode == mode else f"mode {self.mode!r}, which runs {mode!r} here,"
-                raise ConfigError(name, f"got {value!r}, but {how} never uses it; allowed: None, or a list "
-                                        f"with mode {' or '.join(modes)}")
 
     def check_settings_used(self, device_type: str, mode: str) -> None:
         """Settings given (not at their defaults) that this engine never reads were ignored without
@@ -233,6 +221,13 @@ class EngineConfig:
                 unread.append(f"max_capture_tokens={self.max_capture_tokens!r} has no effect with "
                               f"cudagraph_buckets (the largest bucket, {max(self.cudagraph_buckets)}, bounds the "
                               f"graphs)")
+        # Bucket lists were refused in a mode that never reads them (an error), which broke the rule
+        # above: a config with decode_buckets could not run --modes eager,full_decode.
+        for name, modes in BUCKET_MODES.items():
+            if getattr(self, name) is not None and mode not in modes:
+                how = f"mode {mode!r}" if self.mode == mode else f"mode {self.mode!r}, which runs {mode!r} here"
+                unread.append(f"{name}={getattr(self, name)!r} has no effect in {how} (it shapes the graphs of "
+                              f"{' and '.join(modes)})")
         if mode not in COMPILED_MODES:
             for name in ("compile_cache", "compile_cache_dir"):
                 if given(name):

@@ -249,8 +249,8 @@ def check_modes(args: argparse.Namespace, modes: list[tuple[str, dict]]) -> None
     """Refuse, before any engine is built, a mode of --modes that this device cannot build: the
     modes ran in turn, so 'eager,full_decode' on the CPU ran the whole eager benchmark, then lost
     its result to the second mode's ConfigError (named 'mode:', not --modes). The checks are
-    ModelRunner's that need no weights: the fields, Triton on this device, buckets the mode uses,
-    a graph-safe attention backend for the full-graph modes."""
+    ModelRunner's that need no weights: the fields, Triton on this device, a graph-safe
+    attention backend for the full-graph modes."""
     from pcg_engine.cli import flag_wording
     from pcg_engine.errors import ConfigError
     for name, mode_kw in modes:
@@ -258,7 +258,6 @@ def check_modes(args: argparse.Namespace, modes: list[tuple[str, dict]]) -> None
             cfg = EngineConfig(**engine_kwargs(args), **mode_kw)
             device_type = cfg.resolved_device().split(":")[0]
             cfg.check_triton_usable(device_type)
-            cfg.check_buckets_used(cfg.resolved_mode(device_type))
             cfg.check_mode_backend(device_type)
         except ConfigError as e:
             if e.field != "mode":

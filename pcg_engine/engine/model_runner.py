@@ -91,7 +91,6 @@ class ModelRunner:
         _check_max_model_len(config, model_path)   # before the weights: config.json alone decides
         _check_moe_reference_in_graphs(config, model_path, device.type)
         config.check_triton_usable(device.type)
-        config.check_buckets_used(config.resolved_mode(device.type))   # mode "auto" is known from here
         config.check_settings_used(device.type, config.resolved_mode(device.type))
         self.dtype = config.torch_dtype(device.type)
         t0 = time.perf_counter()
