@@ -58,7 +58,10 @@ def _add_generate(sub):
                         "of the text)")
     p.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
                    help="write special tokens (<|im_end|>, ...) into the output text")
-    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.add_argument("--stream", action="store_true",
+                   help="print text as it is produced, the prompts one after another; with --json, a line "
+                        '{"index": I, "delta": TEXT, "token_ids": [...]} per step that made tokens, then the '
+                        "prompt's object")
     p.add_argument("--json", action="store_true", help="machine-readable output, one JSON object per prompt")
     p.add_argument("--mode", default="auto", help="eager, compile, full_decode, piecewise, full_and_piecewise, auto "
                    "(the default: full_and_piecewise on CUDA, eager on the CPU)")
@@ -344,6 +347,7 @@ def cmd_generate(args) -> int:
         load_s = time.perf_counter() - t0
         if args.dump_graph:
             _dump_graph(llm, args.dump_graph, err)
+        given = prompts          # --chat: the prompts as typed, beside the template's text
         if args.chat:
             bad = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
             if bad is not None:
@@ -386,19 +390,33 @@ def cmd_generate(args) -> int:
             # first ran the ones before it (under --json their outputs were never printed).
             _check_prompts(llm, prompts, params)
             outs = []
-            for i, prompt in enumerate(prompts):
-                final = None
-                try:
-                    for delta in llm.stream(prompt, params[i]):
-                        if not args.json:
-                            _emit(delta.new_text, flush=True)
-                        final = delta
-                except InvalidRequestError as e:
-                    e.prompt_index = i      # add_request's refusal of this prompt
-                    raise
-                if not args.json:
-                    _emit("\n")
-                outs.append(final)
+            line_open = False     # text written on a line not yet ended
+            try:
+                for i, prompt in enumerate(prompts):
+                    final = None
+                    try:
+                        for delta in llm.stream(prompt, params[i]):
+                            if args.json:    # a line per step that made tokens; the prompt's object follows
+                                if delta.new_token_ids:
+                                    _emit(json.dumps({"index": i, "delta": delta.new_text,
+                                                      "token_ids": list(delta.new_token_ids)}) + "\n", flush=True)
+                            elif delta.new_text:
+                                _emit(delta.new_text, flush=True)
+                                line_open = True
+                            final = delta
+                    except InvalidRequestError as e:
+                        e.prompt_index = i      # add_request's refusal of this prompt
+                        raise
+                    if args.json:
+                        _emit(_json_line(args, given[i], prompt, final), flush=True)
+                    else:
+                        _emit("\n")
+                        line_open = False
+                    outs.append(final)
+            except KeyboardInterrupt:
+                if line_open:   # "pcg: interrupted" and the shell's prompt start on a line of their own
+                    _emit("\n", flush=True)
+                raise
         else:
             outs = llm.generate(prompts, params[0] if all(p is params[0] for p in params) else params)
         gen_s = time.perf_counter() - t1
@@ -426,19 +444,9 @@ def cmd_generate(args) -> int:
         # soft_wrap: one line, whatever the terminal's width (logs get grepped)
         err.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True)
         return 2
-    for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        if args.json:
-            # --chat: the prompt as given, and what the template made of it beside it
-            obj = {"prompt": given[i] if args.chat else prompt, **({"chat_prompt": prompt} if args.chat else {}),
-                   "text": out.text, "token_ids": out.token_ids,
-                   "finish_reason": out.finish_reason,
-                   "ttft_s": out.metrics.ttft,
-                   "e2e_s": (out.metrics.finish_time or 0) - out.metrics.arrival_time}
-            if out.logprobs is not None:       # --logprobs, or the line's "logprobs"
-                obj["logprobs"] = _json_logprobs(out.logprobs)
-            _emit(json.dumps(obj) + "\n")
-        elif not args.stream:
-            _emit(out.text + "\n")
+    if not args.stream:           # --stream wrote each prompt's output as it ended
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            _emit(_json_line(args, given[i], prompt, out) if args.json else out.text + "\n")
     _emit("", flush=True)   # a write that fails at exit's flush said "Exception ignored" and exit 120
     ntok = sum(len(o.token_ids) for o in outs)
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
@@ -447,6 +455,19 @@ def cmd_generate(args) -> int:
               f"mode {llm.engine.runner.mode}, device {llm.engine.device}[/dim]", soft_wrap=True)
     err.print(f"[dim]{_startup_line(llm.engine.runner.timings, llm.config.compile_cache)}[/dim]", soft_wrap=True)
     return 0
+
+
+def _json_line(args, given, prompt, out) -> str:
+    """--json's object for one prompt's output; --chat: the prompt as given, and what the template
+    made of it beside it."""
+    obj = {"prompt": given if args.chat else prompt, **({"chat_prompt": prompt} if args.chat else {}),
+           "text": out.text, "token_ids": out.token_ids,
+           "finish_reason": out.finish_reason,
+           "ttft_s": out.metrics.ttft,
+           "e2e_s": (out.metrics.finish_time or 0) - out.metrics.arrival_time}
+    if out.logprobs is not None:       # --logprobs, or the line's "logprobs"
+        obj["logprobs"] = _json_logprobs(out.logprobs)
+    return json.dumps(obj) + "\n"
 
 
 def _json_logprobs(entries: list) -> list:

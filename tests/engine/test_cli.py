@@ -67,6 +67,42 @@ def test_generate_stream(cli_env, dense_path, in_process):
     assert "tokens in" in stream.stderr
 
 
+def test_generate_json_stream(cli_env, dense_path, in_process):
+    """--json --stream: a line per step that made tokens, then the prompt's object, prompt after
+    prompt (it printed the objects alone, at the end: nothing streamed). The deltas add up to the
+    object, which is --json's."""
+    rows = parse_json_lines(pcg(cli_env, "--model", str(dense_path), "--json", "--stream").stdout)
+    finals = [n for n, r in enumerate(rows) if "delta" not in r]
+    assert len(finals) == len(PROMPTS)
+    start = 0
+    for i, (end, want) in enumerate(zip(finals, in_process)):
+        deltas, final = rows[start:end], rows[end]
+        assert deltas and all(d["index"] == i and d["token_ids"] for d in deltas)
+        assert [t for d in deltas for t in d["token_ids"]] == final["token_ids"] == want.token_ids
+        assert "".join(d["delta"] for d in deltas) == final["text"] == want.text
+        assert final["prompt"] == PROMPTS[i] and final["finish_reason"] == want.finish_reason
+        start = end + 1
+
+
+def test_generate_stream_interrupted_ends_its_line(dense_path, monkeypatch, capsys):
+    """A Ctrl-C in the middle of a streamed line: the line is ended before "pcg: interrupted" (the
+    shell's prompt came up after the partial text, on the same line)."""
+    from pcg_engine import cli
+    from pcg_engine.llm import LLM
+
+    def stream(self, prompt, params):
+        for delta in real(self, prompt, params):
+            yield delta
+            raise KeyboardInterrupt
+    real = LLM.stream
+    monkeypatch.setattr(LLM, "stream", stream)
+    assert cli.main(["generate", "--model", str(dense_path), "--device", "cpu", "--max-tokens", "8",
+                     "--ignore-eos", "--prompt", PROMPTS[0], "--stream"]) == 130
+    out = capsys.readouterr()
+    assert out.out.endswith("\n") and out.out.strip() and out.out.count("\n") == 1
+    assert out.err.strip().endswith("pcg: interrupted")
+
+
 @pytest.mark.parametrize("flag", ["--json", "--stream"])
 def test_generate_into_a_closed_pipe_exits_quietly(cli_env, dense_path, flag):
     """`pcg generate --json | head -1`: the reader goes away, and pcg stops with the shell's SIGPIPE
