@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 
 
@@ -86,8 +87,9 @@ def _add_generate(sub):
                    help="where compiled modes keep their compiled code (default ~/.cache/pcg_engine/compile, "
                         "or $XDG_CACHE_HOME/pcg_engine/compile)")
     p.add_argument("--dump-graph", default=None, metavar="DIR",
-                   help="compiled modes: write the traced graph, the split graph and each piece's code to DIR "
-                        "(this start traces afresh, under its own compile-cache entry: the first such start compiles)")
+                   help="compiled modes: write the traced graph, the split graph and each piece's code to DIR, "
+                        "replacing an earlier dump's files there (this start traces afresh, under its own "
+                        "compile-cache entry: the first such start compiles)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -311,6 +313,8 @@ def cmd_generate(args) -> int:
                       async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         config.update({name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None})
         check_kv_sizing_flags(args.device, args.num_kv_blocks, args.gpu_memory_utilization)
+        if args.dump_graph is not None and not args.dump_graph.strip():
+            raise SystemExit(f"--dump-graph: got {args.dump_graph!r}; allowed: a directory to write the graphs to")
         if args.dump_graph:
             # Refused before the model loads, naming how the mode came about: it said "--mode
             # (mode): ..." after loading the weights, also to one who had not given --mode.
@@ -320,6 +324,12 @@ def cmd_generate(args) -> int:
                 how = f"--mode {args.mode}" if args.mode != "auto" else f"--mode auto, which runs {mode!r} here,"
                 raise SystemExit(f"--dump-graph: needs a compiled mode (--mode compile, piecewise or "
                                  f"full_and_piecewise); {how} compiles nothing")
+            # A directory it cannot write was found after loading and compiling (a minute on a GPU).
+            try:
+                os.makedirs(args.dump_graph, exist_ok=True)
+                tempfile.TemporaryFile(dir=args.dump_graph).close()
+            except OSError as e:
+                raise SystemExit(f"--dump-graph: cannot write to {args.dump_graph}: {e.strerror or e}") from None
             # A saved trace keeps Inductor's code, not the pieces' FX graphs: trace this start
             # (compile/saved_trace.py). The switch is part of the compile cache's key, so the first
             # start with it compiles its own entry.

@@ -19,6 +19,7 @@ import contextlib
 import operator
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -67,6 +68,8 @@ def eager_piece(gm: torch.fx.GraphModule, example_inputs):
 
 # PCG_PIECE_COMPILER picks the default piece compiler (read when a backend is made).
 PIECE_COMPILERS = {"inductor": inductor_compile, "eager": eager_piece}
+# dump_graph's file names: traced_graph.py, split_graph.py, and NNN_<submodule>.py per submodule
+DUMP_FILE = re.compile(r"(traced_graph|split_graph|\d{3}_submod_\d+)\.py")
 
 
 def _default_piece_compiler():
@@ -288,8 +291,13 @@ class PcgBackend:
         return self._install(split, subs, state["keys"], compiled)
 
     def dump_graph(self, directory) -> list[str]:
-        """Write the traced graph, the split graph and every submodule's code; returns the paths."""
+        """Write the traced graph, the split graph and every submodule's code; returns the paths.
+        An earlier dump's files in the directory go first: a model with fewer layers, or a mode
+        without a split, left the other run's pieces beside this one's, read as this model's."""
         os.makedirs(directory, exist_ok=True)
+        for name in os.listdir(directory):
+            if DUMP_FILE.fullmatch(name) and os.path.isfile(os.path.join(directory, name)):
+                os.remove(os.path.join(directory, name))
         written = []
 
         def write(name, text):

@@ -154,7 +154,13 @@ def test_generate_dump_graph(dense_path, tmp_path, capsys, monkeypatch):
     out = tmp_path / "graph"
     argv = ["generate", "--model", str(dense_path), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
             "--dump-graph", str(out)]
+    # an earlier dump's pieces (a deeper model's) are gone, not read as this model's; other files stay
+    out.mkdir()
+    for name in (f"{2 * layers + 5:03d}_submod_{2 * layers + 5}.py", "split_graph.py", "notes.txt"):
+        (out / name).write_text("earlier\n")
     assert cli.main(argv + ["--mode", "piecewise"]) == 0
+    assert (out / "notes.txt").read_text() == "earlier\n"
+    (out / "notes.txt").unlink()
     names = sorted(p.name for p in out.iterdir())
     assert "split_graph.py" in names
     pieces = [n for n in names if n[:3].isdigit()]
@@ -179,6 +185,25 @@ def test_generate_dump_graph(dense_path, tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: --dump-graph: needs a compiled mode (--mode compile, piecewise or full_and_piecewise); --mode "
         "auto, which runs 'eager' here, compiles nothing")
+
+
+@pytest.mark.parametrize("where", ["a file", "blank"])
+def test_generate_dump_graph_path_is_checked_before_loading(dense_path, tmp_path, capsys, monkeypatch, where):
+    """A --dump-graph it cannot write was refused after the weights loaded and the forward compiled
+    (a minute on a GPU); a blank one was ignored."""
+    from pcg_engine import cli
+    monkeypatch.setenv("PCG_SAVED_TRACE", "1")
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+    monkeypatch.setattr("pcg_engine.llm.LLM", no_load)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    target = str(blocker / "graph") if where == "a file" else " "
+    assert cli.main(["generate", "--model", str(dense_path), "--device", "cpu", "--prompt", "hi", "--mode", "compile",
+                     "--dump-graph", target]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("error: --dump-graph: got ' '; allowed: a directory to write the graphs to" if where == "blank"
+                    else f"error: --dump-graph: cannot write to {target}: Not a directory")
 
 
 def test_generate_stop(cli_env, dense_path, in_process):
