@@ -14,11 +14,13 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 
 
 # generate's EngineConfig fields passed on only when given (the SamplingParams fields are its flags
 # of the same name: cmd_generate takes every one there is).
 FLAG_NAMES = {"stop_token_ids": "--stop-token-id"}     # fields whose flag is not --field-name
+WARNING_FLAGS = {"compile_cache": "--no-compile-cache"}     # a setting a warning names, by its flag
 ENGINE_FLAGS = ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "attention_backend",
                 "compile_cache_dir")
 
@@ -562,7 +564,9 @@ def main(argv=None) -> int:
         _add_make_model(sub)
         _add_bench(sub)
         args = parser.parse_args(argv)
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line(sys.argv[1:] if argv is None else argv, warnings.showwarning)
+            return args.func(args)
     except KeyboardInterrupt:   # Ctrl-C: the shell's convention (128 + SIGINT), not a traceback
         print("pcg: interrupted", file=sys.stderr)
         return 130
@@ -583,6 +587,26 @@ def main(argv=None) -> int:
         # engine's own errors give (Python would print it bare and exit 1).
         print(f"error: {e.code}", file=sys.stderr)
         return 2
+
+
+def _warning_line(argv: list, plain):
+    """warnings.showwarning for the engine's own warnings: one line "warning: ...", a setting named
+    by the flag the user typed. Python wrote "/path/model_runner.py:94: UserWarning: EngineConfig:
+    compile_cache=False has no effect ..." with a source line under it, naming API fields."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not (issubclass(category, UserWarning) and str(filename).startswith(package)):
+            return plain(message, category, filename, lineno, file, line)   # torch's, a library's: as Python writes them
+        text = str(message).removeprefix("EngineConfig: ")
+        setting = re.match(r"(\w+)=(.*?) has no effect", text)
+        if setting:
+            field = setting.group(1)
+            flag = WARNING_FLAGS.get(field) or FLAG_NAMES.get(field, f"--{field.replace('_', '-')}")
+            if any(a == flag or a.startswith(flag + "=") for a in argv):
+                text = f"{flag} ({field}={setting.group(2)}){text[setting.end() - len(' has no effect'):]}"
+        print(f"warning: {flag_wording(text)}", file=sys.stderr if file is None else file)
+    return show
 
 
 def _quiet_stdout() -> None:

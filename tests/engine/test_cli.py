@@ -206,6 +206,22 @@ def test_generate_dump_graph_path_is_checked_before_loading(dense_path, tmp_path
                     else f"error: --dump-graph: cannot write to {target}: Not a directory")
 
 
+def test_generate_engine_warnings_name_the_flags(dense_path, capsys):
+    """A setting the mode leaves unread: one "warning:" line naming the flag typed (Python wrote
+    ".../model_runner.py:94: UserWarning: EngineConfig: compile_cache=False ..." and the source
+    line under it, in the API's names)."""
+    from pcg_engine import cli
+    assert cli.main(["generate", "--model", str(dense_path), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+                     "--mode", "eager", "--no-compile-cache", "--compile-cache-dir=/tmp/pcg-unused"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == [
+        "warning: --no-compile-cache (compile_cache=False) has no effect in mode 'eager', which compiles nothing "
+        "(the compile cache serves compile, piecewise, full_and_piecewise)",
+        "warning: --compile-cache-dir (compile_cache_dir='/tmp/pcg-unused') has no effect in mode 'eager', which "
+        "compiles nothing (the compile cache serves compile, piecewise, full_and_piecewise)"]
+    assert not any("UserWarning" in line for line in err)
+
+
 def test_generate_stop(cli_env, dense_path, in_process):
     """--stop TEXT (repeatable): the output ends before the first stop string, finish reason
     "stop", as SamplingParams(stop=...) gives in-process."""
