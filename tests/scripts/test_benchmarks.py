@@ -624,6 +624,24 @@ def test_host_overhead_keeps_every_request_running_at_a_small_token_budget(tmp_p
     assert [run["tokens_per_step"] for run in read(out)["runs"]] == [32.0, 32.0]
 
 
+def test_host_overhead_refuses_a_kv_cache_too_small_before_measuring(monkeypatch):
+    """Found by a review: --num-kv-blocks 100 failed after the smaller sizes were measured, as
+    "--batch-sizes 16: only 5 of the 16 requests were still running", naming the default list."""
+    from pcg_engine.bench import host_overhead
+    def no_measure(*args, **kwargs):
+        raise AssertionError("measured before the refusal")
+    monkeypatch.setattr(host_overhead, "measure", no_measure)
+    with pytest.raises(SystemExit) as e:
+        overhead.main(["--host-only", "--device", "cpu", "--batch-sizes", "2,8", "--host-steps", "3",
+                       "--warm-steps", "1", "--prompt-len", "16", "--fake-vocab", "16", "--num-kv-blocks", "12"])
+    # a request holds up to 16 + (3 + 1 + 3 + 4) tokens, 2 blocks: 2 or 5 of them fit 11 blocks, 8 do not
+    assert str(e.value) == ("--batch-sizes: 8 requests of up to 27 tokens need 16 KV blocks of 16; --num-kv-blocks 12 "
+                            "holds 11; give more blocks, or smaller sizes, --prompt-len or --host-steps")
+    monkeypatch.undo()
+    assert overhead.main(["--host-only", "--device", "cpu", "--batch-sizes", "2,5", "--host-steps", "3",
+                          "--warm-steps", "1", "--prompt-len", "16", "--fake-vocab", "16", "--num-kv-blocks", "12"]) == 0
+
+
 def test_profile_keeps_every_request_running_through_the_profile(tmp_path):
     """Found by a review: each request's max_tokens left out the steps its neighbours' prefill took,
     so the profile of "64 requests" ended with 25 running. Now they last, and a profile where some
