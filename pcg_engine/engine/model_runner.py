@@ -256,6 +256,12 @@ class ModelRunner:
         if not self.warmup_enabled():
             return
         from pcg_engine.engine.warmup import has_jit_kernels, warm_up
+        if not has_jit_kernels(self) and self.config.kernel_warmup:
+            # Asked for, and nothing here compiles: it was skipped without a word.
+            import warnings
+            warnings.warn(f"EngineConfig: kernel_warmup=True has no effect here: this engine compiles no kernels "
+                          f"(attention backend {self.backend.name!r}, no fused Triton kernels on "
+                          f"{self.device.type})", UserWarning, stacklevel=2)
         if has_jit_kernels(self):
             precompile.precompile(self)   # eager mode's (the compiled modes ran it before capture)
             try:

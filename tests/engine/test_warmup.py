@@ -236,6 +236,25 @@ def test_when_the_warmup_runs(setting, backend, runs, tiny_paths, monkeypatch):
     assert len(calls) == int(runs)
 
 
+def test_kernel_warmup_asked_for_where_nothing_compiles_is_named(tiny_paths):
+    """kernel_warmup=True on an engine with no Triton kernel (torch attention on the CPU) was skipped
+    without a word; the default (None) says nothing."""
+    import warnings
+    def runner(setting):
+        config = EngineConfig(model=str(tiny_paths["tiny-qwen3"]), device="cpu", mode="eager",
+                              attention_backend="torch", kernel_warmup=setting, max_num_seqs=4,
+                              max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=8)
+        ModelRunner(config, str(tiny_paths["tiny-qwen3"]), torch.device("cpu"))
+    with pytest.warns(UserWarning, match="EngineConfig: kernel_warmup=True has no effect here: this engine "
+                                         "compiles no kernels \\(attention backend 'torch', no fused Triton "
+                                         "kernels on cpu\\)"):
+        runner(True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="EngineConfig")
+        runner(None)
+        runner(False)
+
+
 def test_kernel_warmup_is_validated():
     from pcg_engine.errors import ConfigError
     with pytest.raises(ConfigError, match="kernel_warmup"):
