@@ -211,6 +211,7 @@ def flag_wording(message: str) -> str:
     another field it suggests is named by its flag."""
     message = message.replace("allowed: None or ", "allowed: ").replace(" or null", "")
     message = message.replace("use stop_token_ids", f"use {FLAG_NAMES['stop_token_ids']}")
+    message = message.replace("compile_cache=False", WARNING_FLAGS["compile_cache"])
     return re.sub(r"attention_backend='(\w+)'", r"--attention-backend \1", message)
 
 
@@ -326,12 +327,6 @@ def cmd_generate(args) -> int:
                 how = f"--mode {args.mode}" if args.mode != "auto" else f"--mode auto, which runs {mode!r} here,"
                 raise SystemExit(f"--dump-graph: needs a compiled mode (--mode compile, piecewise or "
                                  f"full_and_piecewise); {how} compiles nothing")
-            # A directory it cannot write was found after loading and compiling (a minute on a GPU).
-            try:
-                os.makedirs(args.dump_graph, exist_ok=True)
-                tempfile.TemporaryFile(dir=args.dump_graph).close()
-            except OSError as e:
-                raise SystemExit(f"--dump-graph: cannot write to {args.dump_graph}: {e.strerror or e}") from None
             # A saved trace keeps Inductor's code, not the pieces' FX graphs: trace this start
             # (compile/saved_trace.py). The switch is part of the compile cache's key, so the first
             # start with it compiles its own entry.
@@ -349,6 +344,16 @@ def cmd_generate(args) -> int:
                 read_config(args.model)
             except PcgError as e:
                 raise SystemExit(f"--model: {e}") from None
+        if args.dump_graph:
+            # A directory it cannot write was found after loading and compiling (a minute on a GPU).
+            # After --model's checks: a refused start left the directory it had made.
+            if os.path.exists(args.dump_graph) and not os.path.isdir(args.dump_graph):
+                raise SystemExit(f"--dump-graph: {args.dump_graph} is a file; give a directory")
+            try:
+                os.makedirs(args.dump_graph, exist_ok=True)
+                tempfile.TemporaryFile(dir=args.dump_graph).close()
+            except OSError as e:
+                raise SystemExit(f"--dump-graph: cannot write to {args.dump_graph}: {e.strerror or e}") from None
         # Not on a stderr that is not a terminal (a log, a pipe): the spinner cannot redraw there,
         # and its stop wrote an empty line before the error or the summary.
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -599,14 +604,23 @@ def _warning_line(argv: list, plain):
         if not (issubclass(category, UserWarning) and str(filename).startswith(package)):
             return plain(message, category, filename, lineno, file, line)   # torch's, a library's: as Python writes them
         text = str(message).removeprefix("EngineConfig: ")
-        setting = re.match(r"(\w+)=(.*?) has no effect", text)
+        head = ""
+        # "field=value has no effect ..." or "field: ...": the setting by the flag typed, if one was
+        setting = re.match(r"(\w+)=(.*?)(?= has no effect)", text) or re.match(r"(\w+)(?=: )", text)
         if setting:
             field = setting.group(1)
             flag = WARNING_FLAGS.get(field) or FLAG_NAMES.get(field, f"--{field.replace('_', '-')}")
-            if any(a == flag or a.startswith(flag + "=") for a in argv):
-                text = f"{flag} ({field}={setting.group(2)}){text[setting.end() - len(' has no effect'):]}"
-        print(f"warning: {flag_wording(text)}", file=sys.stderr if file is None else file)
+            if any(_spells(a, flag) for a in argv):
+                head, text = f"{flag} ({setting.group(0)})", text[setting.end():]
+        print(f"warning: {head}{flag_wording(text)}", file=sys.stderr if file is None else file)
     return show
+
+
+def _spells(arg: str, flag: str) -> bool:
+    """Whether a command-line argument gave this flag: whole, with "=value", or abbreviated as
+    argparse takes it (--no-compile for --no-compile-cache)."""
+    typed = arg.split("=", 1)[0]
+    return typed.startswith("--") and len(typed) > 2 and flag.startswith(typed)
 
 
 def _quiet_stdout() -> None:

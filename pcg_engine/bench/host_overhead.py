@@ -114,16 +114,18 @@ def _write_profile(profiler, path: str, title: str) -> None:
 def _refuse_sizes_the_cache_cannot_hold(llm, args, sizes) -> None:
     """A size whose requests the KV cache cannot all hold was refused after the smaller sizes had
     been measured, as "--batch-sizes 16: only 5 of the 16 requests were still running", also where
-    16 was never asked for (the default list) and --num-kv-blocks was what to change."""
-    engine = llm.engine
-    manager, budget = engine.scheduler.block_manager, engine.config.max_num_batched_tokens
+    16 was never asked for (the default list) and --num-kv-blocks was what to change. Refused only
+    where it must fail: by the end of the timed steps each request holds at least its prompt, the
+    warm-up's and the timed steps' tokens (a review: counting up to max_tokens refused runs that
+    measured, the CPU's own default size among them)."""
+    manager = llm.engine.scheduler.block_manager
+    tokens = args.prompt_len + args.warm_steps + args.host_steps
     for n in sorted(sizes):
-        tokens = args.prompt_len + output_tokens(n, args.prompt_len, budget, args.warm_steps, args.host_steps)
         need = n * -(-tokens // manager.block_size)
         if need > manager.num_total_blocks:
             flag = (f"--num-kv-blocks {args.num_kv_blocks}" if getattr(args, "num_kv_blocks", None) is not None
                     else "the KV cache")
-            raise SystemExit(f"--batch-sizes: {n} requests of up to {tokens} tokens need {need} KV blocks of "
+            raise SystemExit(f"--batch-sizes: {n} requests of at least {tokens} tokens need {need} KV blocks of "
                              f"{manager.block_size}; {flag} holds {manager.num_total_blocks}; give more blocks, or "
                              f"smaller sizes, --prompt-len or --host-steps")
 

@@ -69,7 +69,7 @@ def eager_piece(gm: torch.fx.GraphModule, example_inputs):
 # PCG_PIECE_COMPILER picks the default piece compiler (read when a backend is made).
 PIECE_COMPILERS = {"inductor": inductor_compile, "eager": eager_piece}
 # dump_graph's file names: traced_graph.py, split_graph.py, and NNN_<submodule>.py per submodule
-DUMP_FILE = re.compile(r"(traced_graph|split_graph|\d{3}_submod_\d+)\.py")
+DUMP_FILE = re.compile(r"(traced_graph|split_graph|\d{3,}_submod_\d+)\.py")
 
 
 def _default_piece_compiler():

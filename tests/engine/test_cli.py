@@ -187,7 +187,7 @@ def test_generate_dump_graph(dense_path, tmp_path, capsys, monkeypatch):
         "auto, which runs 'eager' here, compiles nothing")
 
 
-@pytest.mark.parametrize("where", ["a file", "blank"])
+@pytest.mark.parametrize("where", ["under a file", "a file", "blank"])
 def test_generate_dump_graph_path_is_checked_before_loading(dense_path, tmp_path, capsys, monkeypatch, where):
     """A --dump-graph it cannot write was refused after the weights loaded and the forward compiled
     (a minute on a GPU); a blank one was ignored."""
@@ -198,12 +198,17 @@ def test_generate_dump_graph_path_is_checked_before_loading(dense_path, tmp_path
     monkeypatch.setattr("pcg_engine.llm.LLM", no_load)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    target = str(blocker / "graph") if where == "a file" else " "
+    target = {"under a file": str(blocker / "graph"), "a file": str(blocker), "blank": " "}[where]
     assert cli.main(["generate", "--model", str(dense_path), "--device", "cpu", "--prompt", "hi", "--mode", "compile",
                      "--dump-graph", target]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last == ("error: --dump-graph: got ' '; allowed: a directory to write the graphs to" if where == "blank"
-                    else f"error: --dump-graph: cannot write to {target}: Not a directory")
+    assert last == {"blank": "error: --dump-graph: got ' '; allowed: a directory to write the graphs to",
+                    "a file": f"error: --dump-graph: {target} is a file; give a directory",
+                    "under a file": f"error: --dump-graph: cannot write to {target}: Not a directory"}[where]
+    # checked after --model: a start refused for its model leaves no directory behind
+    assert cli.main(["generate", "--model", str(tmp_path / "none"), "--device", "cpu", "--prompt", "hi",
+                     "--mode", "compile", "--dump-graph", str(tmp_path / "graph")]) == 2
+    assert not (tmp_path / "graph").exists()
 
 
 def test_generate_engine_warnings_name_the_flags(dense_path, capsys):
@@ -212,7 +217,7 @@ def test_generate_engine_warnings_name_the_flags(dense_path, capsys):
     line under it, in the API's names)."""
     from pcg_engine import cli
     assert cli.main(["generate", "--model", str(dense_path), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
-                     "--mode", "eager", "--no-compile-cache", "--compile-cache-dir=/tmp/pcg-unused"]) == 0
+                     "--mode", "eager", "--no-compile", "--compile-cache-dir=/tmp/pcg-unused"]) == 0   # abbreviated
     err = capsys.readouterr().err.splitlines()
     assert err[:2] == [
         "warning: --no-compile-cache (compile_cache=False) has no effect in mode 'eager', which compiles nothing "
@@ -220,6 +225,25 @@ def test_generate_engine_warnings_name_the_flags(dense_path, capsys):
         "warning: --compile-cache-dir (compile_cache_dir='/tmp/pcg-unused') has no effect in mode 'eager', which "
         "compiles nothing (the compile cache serves compile, piecewise, full_and_piecewise)"]
     assert not any("UserWarning" in line for line in err)
+
+
+
+def test_generate_engine_warning_of_a_field_names_the_flags(dense_path, tmp_path, capsys, monkeypatch):
+    """"compile_cache_dir: cannot create ...; choose another directory (or compile_cache=False)", a
+    read-only place (the start goes on without the cache): the flags, as the errors name them."""
+    import errno
+    from pcg_engine import cli
+    from pcg_engine.compile import cache
+
+    def read_only(path):      # as root (CI), a mode-0500 directory is writable: the error stands in
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(cache, "_make_private_dirs", read_only)
+    assert cli.main(["generate", "--model", str(dense_path), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+                     "--mode", "compile", "--compile-cache-dir", str(tmp_path / "cache")]) == 0
+    warning, = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warning.startswith(f"warning: --compile-cache-dir (compile_cache_dir): cannot create {tmp_path / 'cache'}: "
+                              "Read-only file system")
+    assert "(or --no-compile-cache)" in warning and "compile_cache=False" not in warning
 
 
 def test_generate_stop(cli_env, dense_path, in_process):
