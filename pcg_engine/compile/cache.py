@@ -99,7 +99,12 @@ def _device_key(device: torch.device) -> str:
     (cuda:0, cuda:1) get an entry each instead of one each start would find traced for the other.
     (Under CUDA_VISIBLE_DEVICES each process's GPU is cuda:0 to it, and one entry serves them all.)"""
     if device.type != "cuda":
-        return device.type
+        # Inductor's CPU code is built for this host's vector ISA (AVX-512 here, AVX2 under
+        # ATEN_CPU_CAPABILITY=avx2 or on another CPU) and its thread count (OpenMP or not): an
+        # entry of one loaded under another gave wrong tokens (found by a review).
+        # (ATen's capability, which ATEN_CPU_CAPABILITY sets: Inductor's own probe compiles test
+        # programs into the shared temporary directory.)
+        return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:threads={torch.get_num_threads()}"
     index = device.index if device.index is not None else torch.cuda.current_device()
     return f"cuda:{index}:{torch.cuda.get_device_name(index)}"
 

@@ -175,7 +175,24 @@ def test_each_gpu_index_gets_its_own_entry(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     keys = [cache_mod._device_key(torch.device(d)) for d in ("cuda:0", "cuda:1", "cuda", "cpu")]
-    assert keys == ["cuda:0:NVIDIA H200", "cuda:1:NVIDIA H200", "cuda:1:NVIDIA H200", "cpu"]
+    assert keys[:3] == ["cuda:0:NVIDIA H200", "cuda:1:NVIDIA H200", "cuda:1:NVIDIA H200"]
+    assert keys[3].startswith("cpu:")
+
+
+def test_a_cpu_entry_is_keyed_by_the_vector_isa_and_threads(monkeypatch):
+    """Inductor's CPU code is built for the host's vector ISA and thread count: an AVX-512 entry
+    loaded under ATEN_CPU_CAPABILITY=avx2 gave wrong tokens (found by a review)."""
+    from pcg_engine.compile import cache as cache_mod
+    cpu = torch.device("cpu")
+    base = cache_mod._device_key(cpu)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cache_mod._device_key(cpu) != base and "AVX2" in cache_mod._device_key(cpu)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cache_mod._device_key(cpu).endswith(f"threads={threads + 1}")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_refuses_group_or_world_writable_dir(tmp_path):
