@@ -205,7 +205,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None, help='JSONL: {"prompt": text or ids, "output_len": n} per line')
     p.add_argument("--temperature", type=common.temperature, default=0.0)
     p.add_argument("--detokenize", action="store_true", help="detokenize outputs (off: time the engine only)")
-    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:200 tpot:20")
+    # extend: a repeated --goodput adds its SLOs (it replaced the earlier ones without a word)
+    p.add_argument("--goodput", nargs="+", action="extend", default=None, metavar="KEY:MS",
+                   help="SLOs, e.g. ttft:200 tpot:20 (repeatable)")
     p.add_argument("--warmup", type=common.int_at_least(0), default=2, help="warm-up requests per mode before measuring")
     p.add_argument("--sweep-rates", action="store_true", help="find each mode's highest rate within the SLOs")
     # The sweep's own flags: default None here, filled in from SWEEP_DEFAULTS (common.only_with).

@@ -1120,3 +1120,13 @@ def test_benchmarks_refuse_requests_longer_than_max_model_len_before_building_an
     with pytest.raises(SystemExit) as e:
         module.main(["--model", "tiny-qwen3", "--device", "cpu", "--max-model-len", "64", *flags])
     assert named in str(e.value) and "raise --" in str(e.value)
+
+
+def test_load_test_goodput_repeated_adds_its_slos():
+    """Found by a review: a second --goodput replaced the first's SLOs without a word (an impossible
+    TTFT objective given first was dropped, and the run read 100% attainment)."""
+    make_parser = load_test.make_parser
+    args = make_parser().parse_args(["--goodput", "ttft:0.001", "--goodput", "tpot:100"])
+    assert parse_slos(args.goodput) == {"ttft": 0.001, "tpot": 100.0}
+    with pytest.raises(SystemExit, match="--goodput: ttft is given twice"):
+        parse_slos(make_parser().parse_args(["--goodput", "ttft:1", "--goodput", "ttft:2"]).goodput)
