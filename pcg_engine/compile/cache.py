@@ -145,17 +145,25 @@ def _switches() -> dict:
     return dict(sorted(settings.items()))
 
 
+def _not_private(st) -> str | None:
+    """None when this user owns the directory of stat `st` and neither group nor others can write it."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"(mode {oct(st.st_mode & 0o777)}) lets group or others write it"
+    return None
+
+
 def check_private(path: Path) -> None:
     """Refuse a directory another user owns or that group/others can write: they could plant code."""
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise CompileCacheError(f"compile cache path {path} is not a directory")
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise CompileCacheError(f"refusing compile cache directory {path}: owned by uid {st.st_uid}, not by this "
-                                f"user (uid {os.getuid()}); use compile_cache_dir= a directory of your own")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise CompileCacheError(f"refusing compile cache directory {path}: mode {oct(st.st_mode & 0o777)} lets group or "
-                                f"others write it; chmod 700 it or choose another compile_cache_dir")
+    problem = _not_private(st)
+    if problem is not None:
+        hint = ("use compile_cache_dir= a directory of your own" if "owned" in problem
+                else "chmod 700 it or choose another compile_cache_dir")
+        raise CompileCacheError(f"refusing compile cache directory {path}: {problem}; {hint}")
 
 
 def check_parents(path: Path) -> None:
@@ -182,10 +190,25 @@ def check_parents(path: Path) -> None:
             raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
                                     f"lets anyone rename or replace what it holds (world-writable, no sticky bit); "
                                     f"choose another compile_cache_dir")
+        if mode & stat.S_IWGRP and not mode & stat.S_ISVTX and _has_acl(parent):
+            # With an access ACL the group bits are its mask: named users or groups may write,
+            # whoever owns the folder's group, so the private-group exemption does not apply.
+            raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
+                                    f"has an access ACL that may let other users or groups rename or replace what "
+                                    f"it holds (its mask allows write, no sticky bit); choose another "
+                                    f"compile_cache_dir")
         if mode & stat.S_IWGRP and not mode & stat.S_ISVTX and not _private_group(st.st_gid):
             raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
                                     f"lets the members of group {st.st_gid} rename or replace what it holds "
                                     f"(group-writable, no sticky bit); choose another compile_cache_dir")
+
+
+def _has_acl(path) -> bool:
+    """path carries a POSIX access ACL (Linux's system.posix_acl_access attribute)."""
+    try:
+        return bool(os.getxattr(path, "system.posix_acl_access"))
+    except (AttributeError, OSError):   # no xattrs here (not Linux), none set (ENODATA), not supported
+        return False
 
 
 def _private_group(gid: int) -> bool:
@@ -337,7 +360,17 @@ class CompileCache:
             # wherever it points): the link is removed and the entry built afresh in its place.
             self._reject("the entry is a symlink", self.entry.unlink)
         elif self.entry.exists():
-            check_private(self.entry)
+            # Damage of the entry itself (a file in its place, a chmod 777, a copy owned by
+            # another user) is rebuilt like damage inside it: refusing it stopped every start
+            # until someone deleted it by hand. A directory that cannot be removed is then said.
+            st = os.lstat(self.entry)
+            if not stat.S_ISDIR(st.st_mode):
+                self._reject("the entry is not a directory", self.entry.unlink)
+                return self._new_entry()
+            problem = _not_private(st)
+            if problem is not None:
+                self._reject(f"the entry {problem}", lambda: _remove_tree(self.entry))
+                return self._new_entry()
             # Ours and no one else's (checked), made 0700: private while this start may write into
             # it (a hit adds files: a new KV-cache shape's trace and Inductor's code, 0777 / 0666
             # under umask 000, and signs them), and deletable if rejected where this user made it
@@ -352,6 +385,9 @@ class CompileCache:
                 self.state = "hit"
                 return self.state
             self._reject(problem, lambda: _remove_tree(self.entry))
+        return self._new_entry()
+
+    def _new_entry(self) -> str:
         os.makedirs(self.entry, mode=0o700)
         os.chmod(self.entry, 0o700)
         self.state = "miss"

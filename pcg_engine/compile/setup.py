@@ -167,13 +167,15 @@ def _trace_and_compile(runner, forward: CompiledForward, buckets, decode_buckets
     config, timings = runner.config, runner.timings
     t0 = time.perf_counter()
     cache, cache_ctx = _open_cache(runner, buckets, decode_buckets)
-    if cache is not None and saved_trace.enabled():
-        # A hit loads the trace an earlier start saved into the entry for this KV-cache shape; else
-        # this start saves one (compile/saved_trace.py).
-        path = cache.entry / saved_trace.file_name(runner.num_kv_blocks, runner.block_size)
-        forward.saved_trace = (str(path), "load" if cache.state == "hit" and path.exists() else "save")
-    before = inductor_cache_counters()
+    # Everything from here to the close runs inside the try: the entry's lock, held since open(),
+    # is released whatever stops the start (a Ctrl-C, an error), or the next start waits on it.
     try:
+        if cache is not None and saved_trace.enabled():
+            # A hit loads the trace an earlier start saved into the entry for this KV-cache shape;
+            # else this start saves one (compile/saved_trace.py).
+            path = cache.entry / saved_trace.file_name(runner.num_kv_blocks, runner.block_size)
+            forward.saved_trace = (str(path), "load" if cache.state == "hit" and path.exists() else "save")
+        before = inductor_cache_counters()
         try:
             with cache_ctx:
                 # Trace and compile at the largest size the runner will graph (Inductor's size hint).

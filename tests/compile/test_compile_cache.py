@@ -195,7 +195,8 @@ def test_a_cpu_entry_is_keyed_by_the_vector_isa_and_threads(monkeypatch):
         torch.set_num_threads(threads)
 
 
-def test_refuses_group_or_world_writable_dir(tmp_path):
+def test_refuses_group_or_world_writable_dir(tmp_path, monkeypatch):
+    from pcg_engine.compile import cache as cache_mod
     root = tmp_path / "shared"
     root.mkdir()
     os.chmod(root, 0o777)
@@ -203,9 +204,11 @@ def test_refuses_group_or_world_writable_dir(tmp_path):
         CompileCache(root, FIELDS).open()
     os.chmod(root, 0o700)
     cache = _built(root)
-    os.chmod(cache.entry, 0o770)
-    with pytest.raises(CompileCacheError, match=cache.key):
-        CompileCache(root, FIELDS).open()
+    os.chmod(cache.entry, 0o770)          # rebuilt, unless it cannot be deleted: then refused
+    with monkeypatch.context() as m:
+        m.setattr(cache_mod, "_remove_tree", lambda entry: os.rmdir(entry))
+        with pytest.raises(CompileCacheError, match=f"{cache.key} is not usable \\(the entry \\(mode 0o770\\)"):
+            CompileCache(root, FIELDS).open()
     os.chmod(cache.entry, 0o700)          # the refused open released the key's lock
     again = CompileCache(root, FIELDS)
     assert again.open() == "hit"
@@ -251,6 +254,38 @@ def test_refuses_dir_under_a_group_writable_parent_unless_the_group_is_private(t
     private = CompileCache(team / "cache2", FIELDS)
     assert private.open() == "miss"       # not refused
     private.close()
+
+
+def _acl(**entries):
+    """A POSIX access ACL as Linux stores it: (tag, permissions, id) entries after a version."""
+    import struct
+    tags = {"user_obj": 1, "user": 2, "group_obj": 4, "mask": 0x10, "other": 0x20}
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tags[tag], perm, uid)
+                                           for tag, (perm, uid) in entries.items())
+
+
+def test_an_acl_on_a_parent_voids_the_private_group_exemption(tmp_path, monkeypatch):
+    """Found by review (session 40): a parent of the user's private group, mode 0775, passed, though
+    an access ACL on it (setfacl -m u:someone:rwx) let another user swap the cache directory: with
+    an ACL the group bits are its mask, not the group's own permissions."""
+    from pcg_engine.compile import cache as cache_module
+    monkeypatch.setattr(cache_module, "_private_group", lambda gid: True)
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chmod(home, 0o775)
+    none = 0xFFFFFFFF
+    try:
+        os.setxattr(home, "system.posix_acl_access",
+                    _acl(user_obj=(7, none), user=(7, 65534), group_obj=(5, none), mask=(7, none), other=(5, none)))
+    except (AttributeError, OSError) as e:
+        pytest.skip(f"no POSIX ACLs here ({e})")
+    assert os.stat(home).st_mode & 0o777 == 0o775     # the mask shows as the group bits
+    with pytest.raises(CompileCacheError, match=r"home \(mode 0o775\) has an access ACL"):
+        CompileCache(home / "cache", FIELDS).open()
+    os.removexattr(home, "system.posix_acl_access")   # the same mode without the ACL: the user's own group
+    cache = CompileCache(home / "cache", FIELDS)
+    assert cache.open() == "miss"
+    cache.close()
 
 
 def test_private_group_is_the_users_own():
@@ -508,6 +543,27 @@ def test_failed_save_does_not_stop_the_start(tiny_dense, tmp_path, dense_eager, 
     _same_as(dense_eager, third)
 
 
+def test_a_start_stopped_right_after_the_cache_opens_releases_its_lock(tiny_dense, tmp_path, monkeypatch):
+    """Found by review (session 40): the saved trace's choice and Inductor's counters ran between
+    the cache's open() (which takes the key's lock) and the try that closes it, so a start stopped
+    there (a Ctrl-C) kept the lock, and the next start in the process waited on it for ever."""
+    fcntl = pytest.importorskip("fcntl")
+    from pcg_engine.compile import setup
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(setup, "inductor_cache_counters", interrupted)
+    root = tmp_path / "cc"
+    with pytest.raises(KeyboardInterrupt):
+        make_runner(tiny_dense, "piecewise", max_capture_tokens=32, compile_cache_dir=str(root))
+    (lock,) = root.glob("*.lock")
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)      # BlockingIOError while the start holds it
+    finally:
+        os.close(fd)
+
+
 def test_failed_aot_trace_falls_back_to_a_plain_trace(tiny_dense, tmp_path, dense_eager, monkeypatch):
     def refuse(compiled, args):
         raise RuntimeError("cannot precompile (test)")
@@ -724,6 +780,38 @@ def test_an_entry_that_is_a_symlink_is_replaced(tmp_path):
         assert again.open() == "miss"
     assert not os.path.islink(again.entry) and list(again.entry.iterdir()) == []
     assert (elsewhere / "inductor" / "ab" / "graph.py").exists()      # the link's target is not touched
+
+
+def _entry_replaced_by_a_file(entry):
+    shutil.rmtree(entry)
+    entry.write_text("not an entry")
+
+
+def _entry_owned_by_another_user(entry):
+    if not hasattr(os, "getuid") or os.getuid() != 0:
+        pytest.skip("needs root to chown")
+    os.chown(entry, 65534, 65534)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_entry_replaced_by_a_file, "the entry is not a directory"),
+    (lambda e: os.chmod(e, 0o777), "the entry (mode 0o777) lets group or others write it"),
+    (lambda e: os.chmod(e, 0o770), "the entry (mode 0o770) lets group or others write it"),
+    (_entry_owned_by_another_user, "the entry is owned by uid 65534"),
+])
+def test_a_damaged_entry_itself_is_rebuilt(tmp_path, damage, reason):
+    """Found by review (session 40): damage of the entry itself (a file in its place, chmod 777)
+    raised out of open() on every start, until someone deleted it by hand; damage inside it was
+    already rebuilt. Now both are: the entry is deleted, said, and built afresh."""
+    first = _built(tmp_path / "c")
+    damage(first.entry)
+    again = CompileCache(tmp_path / "c", FIELDS)
+    with pytest.warns(UserWarning, match=f"{again.key} not used"):
+        assert again.open() == "miss"
+    assert reason in again.rejected
+    assert again.entry.is_dir() and list(again.entry.iterdir()) == []
+    assert os.stat(again.entry).st_mode & 0o777 == 0o700 and os.stat(again.entry).st_uid == os.getuid()
+    again.close()
 
 
 def test_waiting_for_another_start_is_said(tmp_path):
