@@ -513,6 +513,9 @@ def json_path(value: str) -> str:
     names a directory or sits under a file."""
     if not value:      # Path('') is '.', a directory: it said "'' is a directory"
         raise argparse.ArgumentTypeError("an empty path; give a file path")
+    if value == "-":   # (it wrote a file named '-'; standard output carries the tables)
+        raise argparse.ArgumentTypeError("'-' is not standard output here (the tables are printed there); give "
+                                         "a file path")
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file path")

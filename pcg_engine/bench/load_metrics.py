@@ -107,7 +107,9 @@ def summarize(records, start: float, end: float, slos: dict[str, float]) -> dict
 def table_rows(results: dict[str, dict]) -> tuple[list[str], list[list]]:
     """Headers and rows of a side-by-side table, one column per mode."""
     names = list(results)
-    rows = [[key] + [results[n][key] for n in names]
+    # n/a where a run has no value (goodput without --goodput SLOs), as the latency rows say it
+    # (the goodput row read "None").
+    rows = [[key] + ["n/a" if results[n][key] is None else results[n][key] for n in names]
             for key in ("completed", "failed", "duration_s", "request_throughput", "output_throughput", "goodput")]
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         for stat in ("mean", "median", "p90", "p99"):

@@ -208,10 +208,13 @@ def make_parser() -> argparse.ArgumentParser:
     # extend: a repeated --goodput adds its SLOs (it replaced the earlier ones without a word)
     p.add_argument("--goodput", nargs="+", action="extend", default=None, metavar="KEY:MS",
                    help="SLOs, e.g. ttft:200 tpot:20 (repeatable)")
-    p.add_argument("--warmup", type=common.int_at_least(0), default=2, help="warm-up requests per mode before measuring")
+    p.add_argument("--warmup", type=common.int_at_least(0), default=None,
+                   help="warm-up requests per mode before measuring (default 2, at most the --dataset's lines)")
     p.add_argument("--sweep-rates", action="store_true", help="find each mode's highest rate within the SLOs")
     # The sweep's own flags: default None here, filled in from SWEEP_DEFAULTS (common.only_with).
-    p.add_argument("--sweep-num-prompts", type=common.int_at_least(1), default=None,
+    # At least 2: a trial of one request sends it at once whatever the rate, so every trial was
+    # the same run and the sweep's answer meant nothing.
+    p.add_argument("--sweep-num-prompts", type=common.int_at_least(2), default=None,
                    help="requests per sweep trial (default 100)")
     p.add_argument("--sweep-start", type=float, default=None, help="first rate tried (default --request-rate or 4)")
     p.add_argument("--sweep-attainment", type=float, default=None,
@@ -267,6 +270,34 @@ def check_args(args) -> None:
         args.input_len = DEFAULT_INPUT_LEN
 
 
+MAX_SCHEDULE_S = 24 * 3600
+
+
+def check_schedule(args) -> None:
+    """Refuse, before an engine is built, a run whose submissions would span more than a day on
+    average ((requests - 1) gaps of mean 1 / rate) unless --timeout bounds it: --request-rate 1e-300
+    (allowed, > 0) sent its first request and then waited ~1e300 s for the second."""
+    if args.timeout is not None:
+        return
+    runs = []
+    if args.request_rate != float("inf"):
+        runs.append(("--request-rate", args.request_rate, args.num_prompts, "--num-prompts"))
+    if args.sweep_rates:
+        runs.append(("--sweep-rates' lowest rate", sweep_start(args) / 2 ** SWEEP_MAX_DOUBLINGS,
+                     args.sweep_num_prompts, "--sweep-num-prompts"))
+    for what, rate, n, count_flag in runs:
+        span = (n - 1) / rate
+        if span > MAX_SCHEDULE_S:
+            raise SystemExit(f"pcg bench load-test: at {what} {rate:g} req/s the {n} requests' submissions span "
+                             f"{span:.3g} s on average ({n - 1} gaps of 1 / rate), more than a day; raise the rate, "
+                             f"lower {count_flag}, or give --timeout to stop the run")
+
+
+def slo_text(slos: dict) -> str:
+    """{'ttft': 200.0, 'tpot': 20.0} -> 'ttft <= 200 ms, tpot <= 20 ms' (the sweep's title printed the dict)."""
+    return ", ".join(f"{key} <= {ms:g} ms" for key, ms in slos.items())
+
+
 def run_mode(llm, args, name: str, prepared=None, slos=None) -> dict:
     """One mode's measured run (and --sweep-rates, under "sweep"), after its warm-up requests."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -301,6 +332,10 @@ def main(argv=None) -> int:
     if args.sweep_rates and not slos:
         raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")
     resolve_num_prompts(args, entries)
+    check_schedule(args)
+    if args.num_prompts == 1 and args.request_rate != float("inf"):
+        print(f"note: one request is sent at once: --request-rate {args.request_rate:g} has no effect "
+              "(the rate sets the gaps between requests)", file=sys.stderr)
     model = common.resolve_model(args.model, args.seed)
     prepared = prepare(args, model, entries)    # every request checked before an engine is built
     results = common.run_each_mode(args, model, functools.partial(run_mode, prepared=prepared, slos=slos), None,
@@ -317,7 +352,7 @@ def main(argv=None) -> int:
             print(f"{name}: {failures(r)}", file=sys.stderr)
     if sweeps:
         common.print_table(f"rate sweep: highest rate with >= {args.sweep_attainment:.0%} of requests within "
-                           f"{slos}", ["mode", "max rate (req/s)", "trials"],
+                           f"{slo_text(slos)}", ["mode", "max rate (req/s)", "trials"],
                            [[n, f"≥ {s['max_rate']:g} (no trial failed)" if s["max_rate_is_lower_bound"]
                              else s["max_rate"], len(s["trials"])] for n, s in sweeps.items()])
     first = next(iter(results.values()))

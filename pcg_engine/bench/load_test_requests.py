@@ -17,6 +17,7 @@ from pcg_engine.bench import common
 from pcg_engine.prompt_files import misspelt_field, parse_json, read_lines, sampling_field
 
 DEFAULT_NUM_PROMPTS = 500      # random prompts; a dataset's default is all of its lines
+DEFAULT_WARMUP = 2             # warm-up requests; a dataset's default is at most its lines
 
 
 DATASET_KEYS = ("prompt", "output_len")
@@ -69,13 +70,18 @@ def read_dataset(path: str) -> list[tuple[int, str | list[int], int | None]]:
 
 def resolve_num_prompts(args, entries) -> None:
     """--num-prompts' default (every line of --dataset, else DEFAULT_NUM_PROMPTS), and a refusal
-    when --num-prompts or --sweep-num-prompts asks for more requests than the dataset holds (it
+    when --num-prompts, --warmup or --sweep-num-prompts asks for more requests than the dataset holds (it
     was used as it was: a shorter run than asked, with nothing said)."""
     if args.num_prompts is None:
         args.num_prompts = len(entries) if entries else DEFAULT_NUM_PROMPTS
+    warmup_given = args.warmup is not None
+    if not warmup_given:
+        args.warmup = min(DEFAULT_WARMUP, len(entries)) if entries else DEFAULT_WARMUP
     if not entries:
         return
     asked = [("--num-prompts", args.num_prompts)]
+    if warmup_given:       # (a --warmup past the dataset's size was cut to fit, with nothing said)
+        asked.append(("--warmup", args.warmup))
     if args.sweep_rates:
         asked.append(("--sweep-num-prompts", args.sweep_num_prompts))
     for flag, count in asked:

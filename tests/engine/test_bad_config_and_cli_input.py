@@ -664,14 +664,15 @@ def test_bench_refused_setting_is_one_line(capsys, flags, expected):
 
 @pytest.mark.parametrize("bench", [["latency", "--device", "cpu", "--model", "tiny-qwen3"], ["kernels"]])
 @pytest.mark.parametrize("where, expected", [("dir", "is a directory"), ("under-file", "is a file, not a directory"),
-                                             ("empty", "an empty path; give a file path")])
+                                             ("empty", "an empty path; give a file path"),
+                                             ("dash", "'-' is not standard output here")])
 def test_bench_json_path_refused_before_running(tmp_path, capsys, where, expected, bench):
     """--json naming a directory, or a path under a file, is refused at once (it failed after the
     whole benchmark had run, with a traceback and no results; kernels' with an IsADirectoryError
     traceback, even on a CPU). An empty path was called "a directory"."""
     from pcg_engine import cli
     (tmp_path / "afile").write_text("x")
-    path = {"dir": str(tmp_path), "under-file": str(tmp_path / "afile" / "out.json"), "empty": ""}[where]
+    path = {"dir": str(tmp_path), "under-file": str(tmp_path / "afile" / "out.json"), "empty": "", "dash": "-"}[where]
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", *bench, "--json", path])
     assert e.value.code == 2

@@ -264,6 +264,9 @@ def test_load_test_bad_dataset_named_before_building_an_engine(tmp_path, content
                              "is not repeated: lower --num-prompts to at most 2"),
     (["--num-prompts", "2", "--sweep-rates", "--goodput", "ttft:1e9", "--sweep-num-prompts", "5"],
      "--sweep-num-prompts 5 asks for more requests than --dataset {ds} holds (2)"),
+    # found by a review (session 40): cut to the dataset's size without a word
+    (["--warmup", "3"], "--warmup 3 asks for more requests than --dataset {ds} holds (2); the dataset is not "
+                        "repeated: lower --warmup to at most 2"),
 ])
 def test_load_test_dataset_shorter_than_asked_is_refused(tmp_path, monkeypatch, flags, expected):
     """Found by probing: --num-prompts 10 on a 2-line dataset ran 2 requests, with nothing said."""
@@ -1120,6 +1123,60 @@ def test_benchmarks_refuse_requests_longer_than_max_model_len_before_building_an
     with pytest.raises(SystemExit) as e:
         module.main(["--model", "tiny-qwen3", "--device", "cpu", "--max-model-len", "64", *flags])
     assert named in str(e.value) and "raise --" in str(e.value)
+
+
+def test_load_test_warmup_default_fits_a_short_dataset():
+    """--warmup's default (2) is cut to a one-line dataset's size; a --warmup given is not (refused above)."""
+    from pcg_engine.bench.load_test_requests import resolve_num_prompts
+    args = load_test.make_parser().parse_args(["--dataset", "d.jsonl"])
+    resolve_num_prompts(args, [(1, [5, 6], None)])
+    assert (args.warmup, args.num_prompts) == (1, 1)
+    args = load_test.make_parser().parse_args([])
+    resolve_num_prompts(args, None)
+    assert (args.warmup, args.num_prompts) == (2, 500)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--request-rate", "1e-300", "--num-prompts", "2"], "at --request-rate 1e-300 req/s the 2 requests' submissions "
+     "span 1e+300 s on average (1 gaps of 1 / rate), more than a day; raise the rate, lower --num-prompts, or give "
+     "--timeout"),
+    (["--request-rate", "0.001", "--num-prompts", "100"], "the 100 requests' submissions span 9.9e+04 s"),
+    (["--sweep-rates", "--goodput", "ttft:100", "--sweep-start", "1e-3", "--num-prompts", "1"],
+     "at --sweep-rates' lowest rate 1.5625e-05 req/s the 100 requests' submissions span"),
+])
+def test_load_test_refuses_a_schedule_longer_than_a_day_without_a_timeout(flags, expected, monkeypatch):
+    """Found by a review (session 40): --request-rate 1e-300 (allowed: > 0) sent one request and
+    then waited for ever for the next; refused now before an engine is built, unless --timeout
+    bounds the run (test_load_test_time_limit_with_a_tiny_rate)."""
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit) as e:
+        load_test.main(["--model", "tiny-qwen3", "--device", "cpu", "--input-len", "4", "--output-len", "2", *flags])
+    assert expected in str(e.value)
+
+
+def test_load_test_sweep_needs_two_requests_a_trial(capsys):
+    """Found by a review (session 40): a sweep trial of one request sends it at once whatever the
+    rate, so every trial was the same run."""
+    with pytest.raises(SystemExit):
+        load_test.make_parser().parse_args(["--sweep-rates", "--sweep-num-prompts", "1"])
+    assert "argument --sweep-num-prompts: must be an integer >= 2, got 1" in capsys.readouterr().err
+
+
+def test_load_test_one_request_says_the_rate_has_no_effect(tmp_path, capsys):
+    rc = load_test.main(["--device", "cpu", "--modes", "eager", "--num-prompts", "1", "--input-len", "4",
+                         "--output-len", "2", "--request-rate", "5", "--warmup", "0", "--no-progress"])
+    assert rc == 0
+    assert "note: one request is sent at once: --request-rate 5 has no effect" in capsys.readouterr().err
+
+
+def test_load_test_table_says_n_a_for_a_missing_goodput_and_the_sweep_title_reads_its_slos():
+    """Found by a review (session 40): the goodput row of a run without --goodput read "None" where
+    the latency rows read n/a, and the sweep's title printed a Python dict."""
+    from pcg_engine.bench.load_metrics import summarize, table_rows
+    res = summarize([], 0.0, 1.0, {})
+    headers, rows = table_rows({"eager": res})
+    assert dict((row[0], row[1]) for row in rows)["goodput"] == "n/a"
+    assert load_test.slo_text({"ttft": 200.0, "tpot": 20.5}) == "ttft <= 200 ms, tpot <= 20.5 ms"
 
 
 def test_load_test_goodput_repeated_adds_its_slos():
