@@ -142,7 +142,20 @@ def _switches() -> dict:
     settings = {k: v for k, v in switches.effective().items() if k not in _NOT_SWITCHES}
     settings.update((k, v) for k, v in os.environ.items()
                     if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")
+    settings.update(_triton_settings())
     return dict(sorted(settings.items()))
+
+
+def _triton_settings() -> dict:
+    """The TRITON_* settings Triton keys its own kernel cache by (TRITON_DEFAULT_FP_FUSION, ...), as
+    Triton reports them: a saved trace loads its kernels without Triton's cache, so an entry made
+    under one value served a start under another (found by a review). Where Triton cannot
+    say (not installed, or a version without the call): nothing.
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        return {k: str(v) for k, v in get_cache_invalidating_env_vars().items()}
+    except (ImportError, AttributeError):
+        return {}
 
 
 def _not_private(st) -> str | None:

@@ -1010,6 +1010,20 @@ def test_background_compiles_finish_before_the_entry_is_signed(tiny_dense, tmp_p
     assert runner.timings["compile_cache_hit"] == 0.0
 
 
+def test_tritons_own_cache_settings_are_keyed(monkeypatch):
+    """Found by a review (session 40): TRITON_* settings that change Triton's code (Triton keys its
+    own cache by them) were not in the entry's key, and a saved trace loads its kernels directly."""
+    from pcg_engine.compile import cache
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    if not hasattr(libtriton, "get_cache_invalidating_env_vars"):
+        pytest.skip("this Triton does not report the settings of its cache key")
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    before = cache._switches()
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    after = cache._switches()
+    assert after != before and "TRITON_DEFAULT_FP_FUSION" in after and "TRITON_DEFAULT_FP_FUSION" not in before
+
+
 def test_switches_read_at_import_are_keyed_as_read(tmp_path):
     """Found by a review: the key read the PCG_* switches from the environment at set-up, while
     several modules had read theirs at import. A process that changed its environment in between
