@@ -150,7 +150,7 @@ def _triton_settings() -> dict:
     """The TRITON_* settings Triton keys its own kernel cache by (TRITON_DEFAULT_FP_FUSION, ...), as
     Triton reports them: a saved trace loads its kernels without Triton's cache, so an entry made
     under one value served a start under another (found by a review). Where Triton cannot
-    say (not installed, or a version without the call): nothing.
+    say (not installed, or a version without the call): nothing."""
     try:
         from triton._C.libtriton import get_cache_invalidating_env_vars
         return {k: str(v) for k, v in get_cache_invalidating_env_vars().items()}
