@@ -333,7 +333,9 @@ def main(argv=None) -> int:
         raise SystemExit("--sweep-rates needs --goodput SLOs (e.g. --goodput ttft:200 tpot:20)")
     resolve_num_prompts(args, entries)
     check_schedule(args)
-    if args.num_prompts == 1 and args.request_rate != float("inf"):
+    # (not with --sweep-rates, whose first rate --request-rate may be; once, not again in each
+    # --process-per-mode child)
+    if args.num_prompts == 1 and args.request_rate != float("inf") and not args.sweep_rates and not args.mode_result:
         print(f"note: one request is sent at once: --request-rate {args.request_rate:g} has no effect "
               "(the rate sets the gaps between requests)", file=sys.stderr)
     model = common.resolve_model(args.model, args.seed)

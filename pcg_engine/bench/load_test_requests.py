@@ -79,6 +79,9 @@ def resolve_num_prompts(args, entries) -> None:
         args.warmup = min(DEFAULT_WARMUP, len(entries)) if entries else DEFAULT_WARMUP
     if not entries:
         return
+    if args.sweep_rates and len(entries) < 2:   # (it was told to lower --sweep-num-prompts to 1, then refused)
+        raise SystemExit(f"--sweep-rates needs a --dataset of at least 2 requests (a trial of one sends it at once, "
+                         f"whatever the rate); {args.dataset} holds {len(entries)}")
     asked = [("--num-prompts", args.num_prompts)]
     if warmup_given:       # (a --warmup past the dataset's size was cut to fit, with nothing said)
         asked.append(("--warmup", args.warmup))

@@ -37,6 +37,7 @@ import os
 import platform
 import shutil
 import stat
+import struct
 import warnings
 from pathlib import Path
 
@@ -203,25 +204,40 @@ def check_parents(path: Path) -> None:
             raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
                                     f"lets anyone rename or replace what it holds (world-writable, no sticky bit); "
                                     f"choose another compile_cache_dir")
-        if mode & stat.S_IWGRP and not mode & stat.S_ISVTX and _has_acl(parent):
-            # With an access ACL the group bits are its mask: named users or groups may write,
-            # whoever owns the folder's group, so the private-group exemption does not apply.
+        # With an access ACL the group bits are its mask: a named user or group the ACL lets write
+        # may, whoever owns the folder's group, so the private-group exemption does not cover them.
+        writer = _acl_writer(parent) if mode & stat.S_IWGRP and not mode & stat.S_ISVTX else None
+        if writer is not None:
             raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
-                                    f"has an access ACL that may let other users or groups rename or replace what "
-                                    f"it holds (its mask allows write, no sticky bit); choose another "
-                                    f"compile_cache_dir")
+                                    f"has an access ACL that lets {writer} rename or replace what it holds (no "
+                                    f"sticky bit); choose another compile_cache_dir")
         if mode & stat.S_IWGRP and not mode & stat.S_ISVTX and not _private_group(st.st_gid):
             raise CompileCacheError(f"refusing compile cache directory {path}: {parent} (mode {oct(mode & 0o7777)}) "
                                     f"lets the members of group {st.st_gid} rename or replace what it holds "
                                     f"(group-writable, no sticky bit); choose another compile_cache_dir")
 
 
-def _has_acl(path) -> bool:
-    """path carries a POSIX access ACL (Linux's system.posix_acl_access attribute)."""
+_ACL_USER, _ACL_GROUP, _ACL_WRITE = 0x02, 0x08, 0x02
+
+
+def _acl_writer(path) -> str | None:
+    """Who else a POSIX access ACL on `path` lets write it (Linux's system.posix_acl_access: a
+    version, then (tag, permissions, id) entries), as words; None without such an entry. Only
+    named users other than this one and named groups other than the user's private group count:
+    an ACL that grants others read only (u:www-data:r-x) leaves the folder as private as before."""
     try:
-        return bool(os.getxattr(path, "system.posix_acl_access"))
+        blob = os.getxattr(path, "system.posix_acl_access")
     except (AttributeError, OSError):   # no xattrs here (not Linux), none set (ENODATA), not supported
-        return False
+        return None
+    for offset in range(4, len(blob) - 7, 8):
+        tag, perm, who = struct.unpack_from("<HHI", blob, offset)
+        if not perm & _ACL_WRITE:
+            continue
+        if tag == _ACL_USER and who != getattr(os, "getuid", lambda: None)():
+            return f"user {who}"
+        if tag == _ACL_GROUP and not _private_group(who):
+            return f"the members of group {who}"
+    return None
 
 
 def _private_group(gid: int) -> bool:
@@ -382,6 +398,10 @@ class CompileCache:
                 return self._new_entry()
             problem = _not_private(st)
             if problem is not None:
+                if st.st_uid == getattr(os, "getuid", lambda: st.st_uid)():
+                    # closed before the delete: while loose, others could add files to it (the
+                    # delete then fails and the start with it) or race the delete's chmods
+                    os.chmod(self.entry, 0o700)
                 self._reject(f"the entry {problem}", lambda: _remove_tree(self.entry))
                 return self._new_entry()
             # Ours and no one else's (checked), made 0700: private while this start may write into

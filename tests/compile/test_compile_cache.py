@@ -259,7 +259,7 @@ def test_refuses_dir_under_a_group_writable_parent_unless_the_group_is_private(t
 def _acl(**entries):
     """A POSIX access ACL as Linux stores it: (tag, permissions, id) entries after a version."""
     import struct
-    tags = {"user_obj": 1, "user": 2, "group_obj": 4, "mask": 0x10, "other": 0x20}
+    tags = {"user_obj": 1, "user": 2, "group_obj": 4, "group": 8, "mask": 0x10, "other": 0x20}
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tags[tag], perm, uid)
                                            for tag, (perm, uid) in entries.items())
 
@@ -280,10 +280,21 @@ def test_an_acl_on_a_parent_voids_the_private_group_exemption(tmp_path, monkeypa
     except (AttributeError, OSError) as e:
         pytest.skip(f"no POSIX ACLs here ({e})")
     assert os.stat(home).st_mode & 0o777 == 0o775     # the mask shows as the group bits
-    with pytest.raises(CompileCacheError, match=r"home \(mode 0o775\) has an access ACL"):
+    with pytest.raises(CompileCacheError, match=r"home \(mode 0o775\) has an access ACL that lets user 65534 "):
         CompileCache(home / "cache", FIELDS).open()
-    os.removexattr(home, "system.posix_acl_access")   # the same mode without the ACL: the user's own group
+    monkeypatch.setattr(cache_module, "_private_group", lambda gid: gid != 4242)
+    os.setxattr(home, "system.posix_acl_access",        # a named group that may write, not the user's own
+                _acl(user_obj=(7, none), group_obj=(7, none), group=(7, 4242), mask=(7, none), other=(5, none)))
+    with pytest.raises(CompileCacheError, match=r"lets the members of group 4242 rename"):
+        CompileCache(home / "cache", FIELDS).open()
+    # An ACL that lets others read only (the mask still 0775) is as private as no ACL
+    os.setxattr(home, "system.posix_acl_access",
+                _acl(user_obj=(7, none), user=(5, 65534), group_obj=(7, none), mask=(7, none), other=(5, none)))
     cache = CompileCache(home / "cache", FIELDS)
+    assert cache.open() == "miss"
+    cache.close()
+    os.removexattr(home, "system.posix_acl_access")   # the same mode without the ACL: the user's own group
+    cache = CompileCache(home / "cache2", FIELDS)
     assert cache.open() == "miss"
     cache.close()
 
@@ -811,6 +822,22 @@ def test_a_damaged_entry_itself_is_rebuilt(tmp_path, damage, reason):
     assert reason in again.rejected
     assert again.entry.is_dir() and list(again.entry.iterdir()) == []
     assert os.stat(again.entry).st_mode & 0o777 == 0o700 and os.stat(again.entry).st_uid == os.getuid()
+    again.close()
+
+
+def test_a_loose_entry_is_closed_before_it_is_deleted(tmp_path, monkeypatch):
+    """Found by a review: an entry of mode 0777 was deleted while still 0777, so others could add
+    files to it meanwhile (the delete then failed and stopped the start) or race its chmods."""
+    from pcg_engine.compile import cache as cache_mod
+    first = _built(tmp_path / "c")
+    os.chmod(first.entry, 0o777)
+    modes, remove = [], cache_mod._remove_tree
+    monkeypatch.setattr(cache_mod, "_remove_tree", lambda entry: (modes.append(os.stat(entry).st_mode & 0o777),
+                                                                 remove(entry)))
+    again = CompileCache(tmp_path / "c", FIELDS)
+    with pytest.warns(UserWarning, match="not used"):
+        assert again.open() == "miss"
+    assert modes == [0o700]
     again.close()
 
 

@@ -278,6 +278,16 @@ def test_load_test_dataset_shorter_than_asked_is_refused(tmp_path, monkeypatch, 
     assert expected.format(ds=ds) in str(e.value)
 
 
+def test_load_test_sweep_of_a_one_line_dataset_is_refused(tmp_path, monkeypatch):
+    """Found by a review (session 41): told to lower --sweep-num-prompts to at most 1, which is refused."""
+    ds = tmp_path / "one.jsonl"
+    ds.write_text('{"prompt": [5, 6, 7]}\n')
+    monkeypatch.setattr(common, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit, match=f"--sweep-rates needs a --dataset of at least 2 requests .*; {ds} holds 1"):
+        load_test.main(["--device", "cpu", "--dataset", str(ds), "--sweep-rates", "--goodput", "ttft:1e9"])
+
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from tiny_checkpoints import build_tiny
@@ -1167,6 +1177,13 @@ def test_load_test_one_request_says_the_rate_has_no_effect(tmp_path, capsys):
                          "--output-len", "2", "--request-rate", "5", "--warmup", "0", "--no-progress"])
     assert rc == 0
     assert "note: one request is sent at once: --request-rate 5 has no effect" in capsys.readouterr().err
+    # --request-rate starts a sweep: it has an effect there (found by a review, session 41)
+    assert load_test.main(["--device", "cpu", "--modes", "eager", "--num-prompts", "1", "--input-len", "4",
+                           "--output-len", "2", "--request-rate", "5", "--warmup", "0", "--no-progress",
+                           "--sweep-rates", "--goodput", "ttft:1e9", "--sweep-num-prompts", "2", "--sweep-bisect", "0",
+                           "--json", str(tmp_path / "sw.json")]) == 0
+    assert "note: one request" not in capsys.readouterr().err
+    assert read(tmp_path / "sw.json")["sweep"]["eager"]["trials"][0]["rate"] == 5.0
 
 
 def test_load_test_table_says_n_a_for_a_missing_goodput_and_the_sweep_title_reads_its_slos():
