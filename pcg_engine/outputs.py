@@ -31,13 +31,14 @@ class RequestOutput(metaclass=ABCMeta):
     Fields: request_id, prompt_token_ids, token_ids (outputs so far), text, finished,
     finish_reason ("stop", "length", "abort", "error" or None while running), stop_reason (the stop
     token or string), metrics (RequestMetrics), new_token_ids, new_text, logprobs (per output
-    token: {"token": id, "logprob": x, "top": [(id, x), ...]}), prompt, error.
+    token: {"token": id, "logprob": x, "top": [(id, x), ...]}), prompt (the text as given to
+    add_request, even where truncate_prompt_tokens cut its ids; None for a prompt of token ids),
+    error (always None: the engine refuses a bad request when it is added, by raising).
     """
 
     __slots__ = ("text", "finished", "new_token_ids", "new_text", "_logprobs", "_request", "_end", "_token_ids",
                  "_metrics")
     # (ABCMeta only so that DecodeOutput, a tuple for speed, can be registered as one.)
-    prompt = None     # set by front ends that keep the prompt text; the engine works on token ids
     error = None
 
     def __init__(self, request, end: int, text: str, finished: bool, new_token_ids: list[int],
@@ -50,6 +51,11 @@ class RequestOutput(metaclass=ABCMeta):
     @property
     def request_id(self) -> str:
         return self._request.request_id
+
+    @property
+    def prompt(self) -> str | None:
+        # (a class attribute None before, outside __slots__: never set, and read-only to callers)
+        return self._request.prompt
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -109,7 +115,11 @@ class DecodeOutput(tuple):
     __slots__ = ()
     text = new_text = ""
     finished = False
-    logprobs = finish_reason = stop_reason = prompt = error = None
+    logprobs = finish_reason = stop_reason = error = None
+
+    @property
+    def prompt(self) -> str | None:
+        return self[0].prompt
 
     @property
     def request_id(self) -> str:

@@ -241,6 +241,8 @@ class LLMEngine:
         request.stop_token_set = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         request.final_only = final_only
+        if isinstance(prompt, str):
+            request.prompt = prompt     # outputs carry it (RequestOutput.prompt), as given
         self.scheduler.check_request(request)
         # Everything that can still fail (loading the tokenizer, the seed's generator) before the
         # request is queued: a refusal leaves nothing behind.

@@ -53,6 +53,7 @@ class Request:
     _rows = None        # the RowState of a BoundRequest
     _row = -1
     abandoned = False   # LLMEngine.abandon: its caller wants none of its outputs
+    prompt = None       # the prompt text as given (LLMEngine.add_request); None for token ids
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  arrival_time: float | None = None, eos_token_id: int | None = None):

@@ -454,6 +454,24 @@ def test_changing_an_outputs_prompt_leaves_the_request_alone(engines, async_sche
     assert all(o.prompt_token_ids == prompt for o in outs)
     assert_drained(llm.engine)
 
+def test_outputs_carry_the_prompt_text_as_given(engines):
+    """Found by probing (session 41): RequestOutput.prompt, a documented field, was always None, and
+    read-only (a class attribute outside __slots__), so no front end could set it either."""
+    from pcg_engine.outputs import DecodeOutput
+    llm = engines("tiny-qwen3")
+    text, ids = "Hello there, world", random_prompts([5], seed=15)[0]
+    by_text, by_ids = llm.generate([text, ids], greedy(3))
+    assert by_text.prompt == text and by_ids.prompt is None
+    # truncated ids keep the text as given
+    cut = llm.generate([text], greedy(2, truncate_prompt_tokens=2))[0]
+    assert cut.prompt == text and len(cut.prompt_token_ids) == 2
+    # streamed: the bulk-booked outputs of one token and no text too (DecodeOutput)
+    outs = list(llm.stream(text, greedy(4, ignore_eos=True, detokenize=False)))
+    assert any(isinstance(o, DecodeOutput) for o in outs) and all(o.prompt == text for o in outs)
+    assert all(o.error is None for o in outs)
+    assert_drained(llm.engine)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_streamed_outputs_keep_the_logprobs_of_their_step(engines, async_scheduling):
     """An output is a snapshot of its step: its logprobs, like its token_ids, stop at that step.
