@@ -7,6 +7,7 @@
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -31,9 +32,10 @@ def _add_generate(sub):
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None,
-                   help="one prompt per line, or JSONL with a 'prompt' field and, optionally, sampling fields of "
-                        "that prompt's own (\"max_tokens\", \"temperature\", ...: any SamplingParams field; the "
-                        "flags give the rest); - reads stdin")
+                   help="one prompt per line, or JSONL with a 'prompt' field (text or token ids; or "
+                        "'prompt_token_ids') and, optionally, sampling fields of that prompt's own (\"max_tokens\", "
+                        "\"temperature\", ...: any SamplingParams field; the flags give the rest, and a null their "
+                        "value); - reads stdin")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template "
                    "(--json then gives the template's output as chat_prompt beside the prompt)")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens a prompt, at most (default 32)")
@@ -102,6 +104,7 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
     from pcg_engine.prompt_files import misspelt_field, other_engines_option, parse_json, read_lines
     from pcg_engine.sampling_params import SamplingParams
     names = SamplingParams.field_names()
+    nullable = {f.name for f in dataclasses.fields(SamplingParams) if f.default is None}
     prompts = [_argv_text("--prompt", p) for p in args.prompt]
     for stop in getattr(args, "stop", None) or ():
         _argv_text("--stop", stop)
@@ -114,8 +117,15 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
             own = None
             if line.lstrip().startswith("{"):
                 obj = parse_json(line, number, "--prompts-file")
-                if "prompt" not in obj:
-                    raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field: {line[:80]}")
+                # "prompt_token_ids" (the engine's own name) for token ids: beside "prompt" it was
+                # ignored as an unknown key, and the line ran its text alone.
+                prompt_key = "prompt_token_ids" if "prompt_token_ids" in obj else "prompt"
+                if prompt_key == "prompt_token_ids" and "prompt" in obj:
+                    raise SystemExit(f"--prompts-file: line {number}: give either 'prompt' or 'prompt_token_ids', "
+                                     "not both")
+                if prompt_key not in obj:
+                    raise SystemExit(f"--prompts-file: line {number}: JSONL line without a 'prompt' field (or "
+                                     f"'prompt_token_ids'): {line[:80]}")
                 # A load-test dataset's line ({"prompt": ..., "output_len": 5}): its output length is
                 # not a sampling field, and running it with --max-tokens' value dropped it silently.
                 if "output_len" in obj:
@@ -141,14 +151,19 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
                     if meant is not None:
                         raise SystemExit(f"--prompts-file: line {number}: {key!r} is not a sampling field; did you "
                                          f"mean {meant!r}? (allowed: {', '.join(names)}; other keys are ignored)")
-                own = {k: v for k, v in obj.items() if k in names} or None
-                prompt = obj["prompt"]
+                # A null for a field that takes no None ("max_tokens": null) is the flag's value, as
+                # an unset field is (it was refused as "got None"); for one that does ("seed": null)
+                # it is None.
+                own = {k: v for k, v in obj.items() if k in names and (v is not None or k in nullable)} or None
+                prompt = obj[prompt_key]
                 # Text, or token ids as a list: a bare number would join its neighbours into one
                 # token-id prompt (generate() reads a list of ints as one prompt).
-                if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt
-                                                        and all(type(t) is int for t in prompt)):
-                    raise SystemExit(f"--prompts-file: line {number}: 'prompt' must be a string or a non-empty list "
-                                     f"of token ids, got {json.dumps(prompt)[:80]}")
+                ids = isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+                if not ids and (prompt_key == "prompt_token_ids" or not isinstance(prompt, str)):
+                    allowed = "a non-empty list of token ids" if prompt_key == "prompt_token_ids" else \
+                        "a string or a non-empty list of token ids"
+                    raise SystemExit(f"--prompts-file: line {number}: {prompt_key!r} must be {allowed}, got "
+                                     f"{json.dumps(prompt)[:80]}")
                 prompts.append(prompt)
             else:
                 prompts.append(line)

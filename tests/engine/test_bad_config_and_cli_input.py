@@ -311,6 +311,25 @@ def test_prompts_file_line_sampling_fields_are_read_and_output_len_is_refused(tm
         _read_prompts(args)
 
 
+def test_prompts_file_prompt_token_ids_and_nulls(tmp_path):
+    """Found by probing (session 41): a line's "prompt_token_ids" beside "prompt" was ignored as an
+    unknown key (the line ran its text alone), and alone it was "a line without a 'prompt' field";
+    "max_tokens": null was refused as "got None" where it can only mean the flag's value."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_token_ids": [5, 6]}\n{"prompt": "b", "max_tokens": null, "seed": null}\n')
+    args = argparse.Namespace(prompt=[], prompts_file=str(path))
+    overrides = []
+    assert _read_prompts(args, overrides=overrides) == [[5, 6], "b"]
+    assert overrides == [None, {"seed": None}]      # seed takes None (no seed); max_tokens does not
+    path.write_text('{"prompt": "hi", "prompt_token_ids": [1, 2]}\n')
+    with pytest.raises(SystemExit, match=r"line 1: give either 'prompt' or 'prompt_token_ids', not both$"):
+        _read_prompts(args)
+    path.write_text('{"prompt_token_ids": "hi"}\n')
+    with pytest.raises(SystemExit, match=r"line 1: 'prompt_token_ids' must be a non-empty list of token ids, "
+                                         r"got \"hi\"$"):
+        _read_prompts(args)
+
+
 @pytest.mark.parametrize("key, meant", [
     ("temprature", "temperature"), ("stop_token_id", "stop_token_ids"), ("max-tokens", "max_tokens"),
     ("maxTokens", "max_tokens"), ("max_new_tokens", "max_tokens"), ("Seed", "seed"), ("logprob", "logprobs"),
