@@ -314,6 +314,7 @@ def cmd_generate(args) -> int:
 
     from pcg_engine.config import check_kv_sizing_flags
     from pcg_engine.errors import InvalidRequestError, PcgError
+    from pcg_engine import chat
     from pcg_engine.llm import LLM
     from pcg_engine.sampling_params import SamplingParams
 
@@ -386,29 +387,19 @@ def cmd_generate(args) -> int:
                 # (it said "prompt 1", counting from 0, for the file's line 2)
                 raise SystemExit(f"--chat: {sources[bad]}: the prompt is token ids; the chat template needs text "
                                  "prompts")
-            lazy = llm.engine.lazy_tokenizer
-            if not lazy.available:    # (it said "give prompts as token ids", which --chat refuses)
-                raise SystemExit(f"--chat: {lazy.missing()}, so no chat template; leave out --chat and give the "
-                                 "prompts as token ids")
-            if not getattr(llm.tokenizer, "chat_template", None):
-                # transformers' own ValueError named neither --chat nor the checkpoint
-                raise SystemExit(f"--chat: the tokenizer of {llm.engine.model_path} has no chat template "
-                                 "(chat_template.jinja, or chat_template in tokenizer_config.json); "
-                                 "leave out --chat to send the prompts as they are")
+            problem = chat.missing_template(llm.engine)
+            if problem is not None:
+                # (without a tokenizer it said "give prompts as token ids", which --chat refuses)
+                hint = ("leave out --chat and give the prompts as token ids" if not llm.engine.lazy_tokenizer.available
+                        else "leave out --chat to send the prompts as they are")
+                raise SystemExit(f"--chat: {problem}; {hint}")
             chats = []
             for source, p in zip(sources, prompts):
                 try:
-                    chats.append(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                                   tokenize=False, add_generation_prompt=True))
-                except Exception as e:   # the checkpoint's own template code: a jinja2 syntax error,
-                    # or its raise_exception() refusing the messages, ended in a traceback
-                    raise SystemExit(f"--chat: {source}: the chat template of {llm.engine.model_path} failed: "
-                                     f"{type(e).__name__}: {e}") from None
-                if not chats[-1]:
-                    # (the engine then refused the empty text as "--prompt: is empty", blaming the user's
-                    # prompt; found by a review)
-                    raise SystemExit(f"--chat: {source}: the chat template of {llm.engine.model_path} made empty "
-                                     "text of the prompt; leave out --chat to send the prompts as they are")
+                    chats.append(chat.render(llm.engine, [{"role": "user", "content": p}]))
+                except InvalidRequestError as e:
+                    raise SystemExit(f"--chat: {source}: {e.message}; leave out --chat to send the prompts as "
+                                     "they are") from None
             given, prompts = prompts, chats
         # The tokenizer loads on first use (~0.7 s on the dev VM): before the clock starts where this
         # run uses it (text prompts, outputs to detokenize), so the summary's rates and TTFT time

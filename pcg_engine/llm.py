@@ -4,6 +4,7 @@
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
     for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=64)):
         print(delta.new_text, end="")
+    outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))  # chat template
 
 Keyword arguments are EngineConfig fields; an unknown one is refused by name.
 
@@ -13,7 +14,7 @@ generate() holds it for its whole run, stream() for each of its steps.
 
 import numbers
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from pcg_engine.config import EngineConfig
 from pcg_engine.engine.llm_engine import LLMEngine
@@ -136,6 +137,33 @@ class LLM:
         those of requests abandoned meanwhile (a stream collected during this call's step): nobody
         would take them, and they went round between callers for ever."""
         self.engine.pending_outputs[:0] = [out for out in others if not abandoned(out)]
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             on_output=None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """generate() for conversations: `messages` is one conversation (a list of {"role": ...,
+        "content": ...} dicts) or a list of them, each rendered with the checkpoint's chat template
+        (pcg_engine/chat.py). Outputs in conversation order; each output's prompt is its template
+        text. Every conversation is rendered before any runs: a bad one raises InvalidRequestError
+        ("messages", naming which conversation among several) and runs none."""
+        from pcg_engine import chat
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequestError("add_generation_prompt", f"must be true or false, got {add_generation_prompt!r}")
+        one = isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and bool(messages) \
+            and isinstance(messages[0], Mapping)
+        conversations = [messages] if one else messages
+        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence) or not conversations:
+            chat.check_conversation(conversations)      # its error: what a conversation must be
+        texts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                texts.append(chat.render(self.engine, conversation, add_generation_prompt))
+            except InvalidRequestError as e:
+                if len(conversations) == 1:
+                    raise
+                error = InvalidRequestError(e.field, f"conversation {i} of {len(conversations)}: {e.message}")
+                error.prompt_index = i
+                raise error from None
+        return self.generate(texts, sampling_params, on_output)
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one output per step that brought this request new tokens, the last one finished.

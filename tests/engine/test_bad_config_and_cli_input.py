@@ -642,7 +642,7 @@ def test_chat_template_that_makes_empty_text_names_the_template(tiny_paths, tmp_
     blaming the prompt the user gave."""
     path = _with_chat_template(tiny_paths["tiny-qwen3"], tmp_path, '{{ "" }}')
     line = _chat_error(path, capsys)
-    assert line == (f"error: --chat: --prompt: the chat template of {tmp_path} made empty text of the prompt; "
+    assert line == (f"error: --chat: --prompt: the chat template of {tmp_path} made empty text of the conversation; "
                     "leave out --chat to send the prompts as they are"), line
 
 
