@@ -27,27 +27,49 @@ def missing_template(engine) -> str | None:
 
 def check_conversation(messages) -> list[dict]:
     """The messages as a list of dicts, or InvalidRequestError naming the first that is not a
-    message with text "role" and "content"."""
+    message. A message has a text "role" and a "content" that is text, None (an assistant's tool
+    call, which templates render) or OpenAI-style parts, of which the text parts are joined into
+    one text (as vLLM does; other parts are refused: this engine reads text only). Other keys
+    ("name", "tool_calls") reach the template as given."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        empty = " (empty)" if isinstance(messages, Sequence) and not isinstance(messages, str) and not messages else ""
         raise InvalidRequestError("messages", f"must be a non-empty list of {{'role': ..., 'content': ...}} "
-                                  f"messages; got {type(messages).__name__}" + (" (empty)" if not messages else ""))
+                                  f"messages; got {type(messages).__name__}{empty}")
+    out = []
     for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            content = _text_of_parts(content, i, len(messages))
         if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise InvalidRequestError("messages", f"message {i} of {len(messages)} must be a dict with text 'role' "
-                                      f"and 'content'; got {message!r:.80}")
-    return [dict(m) for m in messages]
+                and "content" in message and (content is None or isinstance(content, str))):
+            raise InvalidRequestError("messages", f"message {i} of {len(messages)} must be a dict with a text 'role' "
+                                      f"and a 'content' (text, None or text parts); got {message!r:.80}")
+        out.append({**message, "content": content})
+    return out
 
 
-def render(engine, messages, add_generation_prompt: bool = True) -> str:
-    """The conversation as the prompt text of the checkpoint's template (checked first)."""
+def _text_of_parts(parts, i: int, n: int) -> str:
+    """OpenAI-style content parts ([{"type": "text", "text": ...}, ...]) as one text, joined by newlines."""
+    texts = []
+    for part in parts:
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise InvalidRequestError("messages", f"message {i} of {n}: a content part must be {{'type': 'text', "
+                                      f"'text': ...}} (this engine reads text only); got {part!r:.80}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def render(engine, messages, add_generation_prompt: bool = True, tools=None, template_kwargs=None) -> str:
+    """The conversation as the prompt text of the checkpoint's template (checked first); tools and
+    template_kwargs (Qwen3's enable_thinking, ...) reach the template as transformers passes them."""
     messages = check_conversation(messages)
     problem = missing_template(engine)
     if problem is not None:
         raise InvalidRequestError("messages", problem)
     try:
-        text = engine.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                    add_generation_prompt=add_generation_prompt)
+        text = engine.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
+                                                    add_generation_prompt=add_generation_prompt,
+                                                    **(template_kwargs or {}))
     except Exception as e:    # the checkpoint's own template code: a jinja2 syntax error, or its
         # raise_exception() refusing the messages (only some roles allowed), ended in a traceback
         raise InvalidRequestError("messages", f"the chat template of {engine.model_path} failed: "

@@ -7,7 +7,6 @@
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -104,7 +103,6 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
     from pcg_engine.prompt_files import misspelt_field, other_engines_option, parse_json, read_lines
     from pcg_engine.sampling_params import SamplingParams
     names = SamplingParams.field_names()
-    nullable = {f.name for f in dataclasses.fields(SamplingParams) if f.default is None}
     prompts = [_argv_text("--prompt", p) for p in args.prompt]
     for stop in getattr(args, "stop", None) or ():
         _argv_text("--stop", stop)
@@ -119,6 +117,12 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
                 obj = parse_json(line, number, "--prompts-file")
                 # "prompt_token_ids" (the engine's own name) for token ids: beside "prompt" it was
                 # ignored as an unknown key, and the line ran its text alone.
+                # (a null prompt key is an absent one, as a null sampling field is)
+                obj = {k: v for k, v in obj.items() if not (k in ("prompt", "prompt_token_ids") and v is None)}
+                for alias in ("token_ids", "input_ids", "prompt_ids"):    # other tools' names: ignored before
+                    if alias in obj:
+                        raise SystemExit(f"--prompts-file: line {number}: {alias!r} is not read from a prompt line; "
+                                         "give token ids as 'prompt' or 'prompt_token_ids'")
                 prompt_key = "prompt_token_ids" if "prompt_token_ids" in obj else "prompt"
                 if prompt_key == "prompt_token_ids" and "prompt" in obj:
                     raise SystemExit(f"--prompts-file: line {number}: give either 'prompt' or 'prompt_token_ids', "
@@ -151,10 +155,9 @@ def _read_prompts(args, sources: list | None = None, overrides: list | None = No
                     if meant is not None:
                         raise SystemExit(f"--prompts-file: line {number}: {key!r} is not a sampling field; did you "
                                          f"mean {meant!r}? (allowed: {', '.join(names)}; other keys are ignored)")
-                # A null for a field that takes no None ("max_tokens": null) is the flag's value, as
-                # an unset field is (it was refused as "got None"); for one that does ("seed": null)
-                # it is None.
-                own = {k: v for k, v in obj.items() if k in names and (v is not None or k in nullable)} or None
+                # A null field is the flag's value, as an unset one is ("max_tokens": null was refused
+                # as "got None"; a file that writes every key, null where unset, kept its --seed).
+                own = {k: v for k, v in obj.items() if k in names and v is not None} or None
                 prompt = obj[prompt_key]
                 # Text, or token ids as a list: a bare number would join its neighbours into one
                 # token-id prompt (generate() reads a list of ints as one prompt).

@@ -23,6 +23,15 @@ from pcg_engine.outputs import RequestOutput, abandoned
 from pcg_engine.sampling_params import SamplingParams
 
 
+def _in_conversation(error: InvalidRequestError, i: int, n: int) -> InvalidRequestError:
+    """LLM.chat's error for its conversation i of n (the error itself where there is one)."""
+    if n == 1:
+        return error
+    labelled = InvalidRequestError(error.field, f"conversation {i} of {n}: {error.message}")
+    labelled.prompt_index = i
+    return labelled
+
+
 class LLM:
     def __init__(self, model: str | None = None, progress=None, **config):
         # A path object as its string; anything else reaches EngineConfig's check as given (str()
@@ -138,32 +147,47 @@ class LLM:
         would take them, and they went round between callers for ever."""
         self.engine.pending_outputs[:0] = [out for out in others if not abandoned(out)]
 
-    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             on_output=None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             on_output=None, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list | None = None) -> list[RequestOutput]:
         """generate() for conversations: `messages` is one conversation (a list of {"role": ...,
         "content": ...} dicts) or a list of them, each rendered with the checkpoint's chat template
-        (pcg_engine/chat.py). Outputs in conversation order; each output's prompt is its template
-        text. Every conversation is rendered before any runs: a bad one raises InvalidRequestError
-        ("messages", naming which conversation among several) and runs none."""
+        (pcg_engine/chat.py; chat_template_kwargs such as {"enable_thinking": False} and tools go to
+        the template). Outputs in conversation order; each output's prompt is its template text.
+        Every conversation is rendered and checked before any runs: a bad one raises
+        InvalidRequestError naming which conversation among several, and runs none."""
         from pcg_engine import chat
         if not isinstance(add_generation_prompt, bool):
             raise InvalidRequestError("add_generation_prompt", f"must be true or false, got {add_generation_prompt!r}")
-        one = isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and bool(messages) \
-            and isinstance(messages[0], Mapping)
-        conversations = [messages] if one else messages
-        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence) or not conversations:
-            chat.check_conversation(conversations)      # its error: what a conversation must be
-        texts = []
-        for i, conversation in enumerate(conversations):
+        if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, Mapping)
+                                                     and all(isinstance(k, str) for k in chat_template_kwargs)):
+            raise InvalidRequestError("chat_template_kwargs", f"must be a dict of the template's variables by name, "
+                                      f"or None; got {chat_template_kwargs!r:.80}")
+        if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
+            raise InvalidRequestError("tools", f"must be a list of tool descriptions, or None; got {type(tools).__name__}")
+        # Several conversations when the first item is itself a list of messages; else one (whose
+        # bad message, None or a string among them, is then named by its index).
+        first = messages[0] if isinstance(messages, Sequence) and messages else None
+        several = isinstance(first, Sequence) and not isinstance(first, (str, bytes))
+        conversations = messages if several else [messages]
+        n = len(conversations)
+        # Under the engine's lock (re-entrant: generate takes it again): the tokenizer, loaded on
+        # first use, is loaded once when two threads chat at once.
+        with self.engine.lock:
+            texts = []
+            for i, conversation in enumerate(conversations):
+                try:
+                    texts.append(chat.render(self.engine, conversation, add_generation_prompt, tools,
+                                             chat_template_kwargs))
+                except InvalidRequestError as e:
+                    raise _in_conversation(e, i, n) from None
             try:
-                texts.append(chat.render(self.engine, conversation, add_generation_prompt))
+                return self.generate(texts, sampling_params, on_output)
             except InvalidRequestError as e:
-                if len(conversations) == 1:
+                # the template's text refused (too long for max_model_len): which conversation's
+                if e.prompt_index is None or n == 1:
                     raise
-                error = InvalidRequestError(e.field, f"conversation {i} of {len(conversations)}: {e.message}")
-                error.prompt_index = i
-                raise error from None
-        return self.generate(texts, sampling_params, on_output)
+                raise _in_conversation(e, e.prompt_index, n) from None
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one output per step that brought this request new tokens, the last one finished.

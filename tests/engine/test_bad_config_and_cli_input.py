@@ -320,7 +320,13 @@ def test_prompts_file_prompt_token_ids_and_nulls(tmp_path):
     args = argparse.Namespace(prompt=[], prompts_file=str(path))
     overrides = []
     assert _read_prompts(args, overrides=overrides) == [[5, 6], "b"]
-    assert overrides == [None, {"seed": None}]      # seed takes None (no seed); max_tokens does not
+    assert overrides == [None, None]          # null: the flag's value, for every field (seed's --seed too)
+    path.write_text('{"prompt": null, "prompt_token_ids": [7], "stop": null}\n')
+    assert _read_prompts(args) == [[7]]
+    path.write_text('{"prompt": "x", "token_ids": [1]}\n')
+    with pytest.raises(SystemExit, match=r"line 1: 'token_ids' is not read from a prompt line; give token ids as "
+                                         r"'prompt' or 'prompt_token_ids'$"):
+        _read_prompts(args)
     path.write_text('{"prompt": "hi", "prompt_token_ids": [1, 2]}\n')
     with pytest.raises(SystemExit, match=r"line 1: give either 'prompt' or 'prompt_token_ids', not both$"):
         _read_prompts(args)
