@@ -513,12 +513,20 @@ def json_path(value: str) -> str:
     names a directory or sits under a file."""
     if not value:      # Path('') is '.', a directory: it said "'' is a directory"
         raise argparse.ArgumentTypeError("an empty path; give a file path")
+    if os.path.islink(value) and not value.startswith("/dev/"):     # (/dev/stdout is a link, written in place)
+        # write_json moves a new file over the path: a link was replaced by a plain file (a
+        # dangling one left its target created empty), so the link's target is named instead.
+        raise argparse.ArgumentTypeError(f"{value!r} is a symbolic link (to {os.readlink(value)!r}); give the file "
+                                         "itself")
     if value == "-":   # (it wrote a file named '-'; standard output carries the tables)
         raise argparse.ArgumentTypeError("'-' is not standard output here (the tables are printed there); give "
                                          "a file path")
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file path")
+    if os.path.exists(value) and not os.path.isfile(value) and not value.startswith("/dev/"):
+        # a FIFO's open waited for a reader during argument parsing
+        raise argparse.ArgumentTypeError(f"{value!r} is not a regular file; give a file path")
     _refuse_a_file_on_the_way(value, path.parents)
     _refuse_unwritable(value, path)
     return value
@@ -530,6 +538,11 @@ def _refuse_unwritable(value: str, path: Path) -> None:
     appending, as the write would open it, and removed again if this made it; where it does not, the
     nearest existing directory must be writable, for write_json to make the rest."""
     if path.parent.is_dir():
+        if not value.startswith("/dev/") and not os.access(path.parent, os.W_OK | os.X_OK):
+            # the results are written beside the target and moved over it: a writable file in a
+            # read-only directory passed this check and lost the results after the whole run
+            raise argparse.ArgumentTypeError(f"{value!r} cannot be written: its directory {path.parent} is not "
+                                             "writable (the results are written beside the file, then moved over it)")
         existed = path.exists()
         try:
             with open(path, "a", encoding="utf-8"):
@@ -562,7 +575,11 @@ def int_list_at_least(low: int, high: int | None = None):
         values = [s.strip() for s in text.split(",") if s.strip()]
         if not values:
             raise argparse.ArgumentTypeError(f"give comma-separated {allowed}, got {text!r}")
-        return [item(s) for s in values]
+        parsed = [item(s) for s in values]
+        repeated = next((v for i, v in enumerate(parsed) if v in parsed[:i]), None)
+        if repeated is not None:   # (a size given twice was measured twice, its first figure dropped)
+            raise argparse.ArgumentTypeError(f"{repeated} is given twice in {text!r}; give each once")
+        return parsed
     parse.__name__ = f"comma-separated {allowed}"
     return parse
 

@@ -186,13 +186,18 @@ def make_checkpoint(preset: str, out_dir: str | os.PathLike, seed: int = 0,
     return out
 
 
+_SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
 def _move_in(staging: Path, out: Path) -> None:
     """Replace `out`'s checkpoint files by the complete set written in `staging`: renames within one
     file system, no data written, so nothing here runs out of space or takes long."""
     new = sorted(p.name for p in staging.iterdir())
     # A re-run with another shard count must not leave shards (or an index) of the previous run behind.
-    for stale in out.glob("model*.safetensors*"):
-        if stale.name not in new:
+    # Only a checkpoint's weight names: the glob model*.safetensors* also took the user's
+    # "model_notes.safetensors.md" and "model.safetensors.index.json.bak" (found by probing).
+    for stale in out.iterdir():
+        if _SHARD_FILE.fullmatch(stale.name) and stale.name not in new and stale.is_file():
             stale.unlink()
     for name in new:
         os.replace(staging / name, out / name)

@@ -690,19 +690,40 @@ def test_bench_refused_setting_is_one_line(capsys, flags, expected):
 @pytest.mark.parametrize("bench", [["latency", "--device", "cpu", "--model", "tiny-qwen3"], ["kernels"]])
 @pytest.mark.parametrize("where, expected", [("dir", "is a directory"), ("under-file", "is a file, not a directory"),
                                              ("empty", "an empty path; give a file path"),
-                                             ("dash", "'-' is not standard output here")])
+                                             ("dash", "'-' is not standard output here"),
+                                             # found by probing (session 41): replaced by a plain file, or a
+                                             # dangling one's target created; a FIFO hung the parse
+                                             ("link", "is a symbolic link (to "), ("fifo", "is not a regular file")])
 def test_bench_json_path_refused_before_running(tmp_path, capsys, where, expected, bench):
     """--json naming a directory, or a path under a file, is refused at once (it failed after the
     whole benchmark had run, with a traceback and no results; kernels' with an IsADirectoryError
     traceback, even on a CPU). An empty path was called "a directory"."""
     from pcg_engine import cli
     (tmp_path / "afile").write_text("x")
-    path = {"dir": str(tmp_path), "under-file": str(tmp_path / "afile" / "out.json"), "empty": "", "dash": "-"}[where]
+    import os
+    os.symlink(tmp_path / "missing.json", tmp_path / "link.json")
+    os.mkfifo(tmp_path / "fifo")
+    path = {"dir": str(tmp_path), "under-file": str(tmp_path / "afile" / "out.json"), "empty": "", "dash": "-",
+            "link": str(tmp_path / "link.json"), "fifo": str(tmp_path / "fifo")}[where]
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", *bench, "--json", path])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--json" in err and expected in err and "building the engine" not in err
+    assert not (tmp_path / "missing.json").exists() and os.path.islink(tmp_path / "link.json")
+
+
+def test_bench_json_in_a_directory_it_cannot_write_is_refused(tmp_path, monkeypatch):
+    """Found by probing (session 41): a writable file in a read-only directory passed, and the
+    results were lost after the whole run (they are written beside the file, then moved over it)."""
+    import os
+    from pcg_engine.bench import common
+    target = tmp_path / "out.json"
+    target.write_text("{}")
+    real_access = os.access
+    monkeypatch.setattr(common.os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
+    with pytest.raises(argparse.ArgumentTypeError, match="its directory .* is not writable"):
+        common.json_path(str(target))
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -269,8 +269,16 @@ def test_cli_refuses_a_directory_with_files_unless_overwrite(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="--out: is empty"):
         cm.run(_cli_args(""))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]
+    # files that only look like weights by their names stay (found by probing, session 41: the glob
+    # model*.safetensors* deleted them)
+    (theirs / "model_notes.safetensors.md").write_text("notes")
+    (theirs / "model.safetensors.index.json.bak").write_text("backup")
+    (theirs / "model.safetensors.index.json").write_text("{}")
     path = cm.run(_cli_args(theirs, overwrite=True))
     assert not (theirs / "model-00001-of-00009.safetensors").exists() and (path / "model.safetensors").exists()
+    assert not (theirs / "model.safetensors.index.json").exists()
+    assert (theirs / "model_notes.safetensors.md").read_text() == "notes"
+    assert (theirs / "model.safetensors.index.json.bak").read_text() == "backup"
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (cm.run(_cli_args(empty)) / "config.json").exists()     # an empty directory is fine

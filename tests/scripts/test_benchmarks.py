@@ -1204,3 +1204,13 @@ def test_load_test_goodput_repeated_adds_its_slos():
     assert parse_slos(args.goodput) == {"ttft": 0.001, "tpot": 100.0}
     with pytest.raises(SystemExit, match="--goodput: ttft is given twice"):
         parse_slos(make_parser().parse_args(["--goodput", "ttft:1", "--goodput", "ttft:2"]).goodput)
+
+
+def test_a_size_list_given_twice_is_refused():
+    """Found by probing (session 41): overhead --batch-sizes 4,2,4 measured 4 twice and reported the
+    second figure for both, the first dropped."""
+    import argparse
+    parse = common.int_list_at_least(1, 4096)
+    assert parse("4,2") == [4, 2]
+    with pytest.raises(argparse.ArgumentTypeError, match="4 is given twice in '4,2,4'; give each once"):
+        parse("4,2,4")
