@@ -185,7 +185,7 @@ class LLM:
                 return self.generate(texts, sampling_params, on_output)
             except InvalidRequestError as e:
                 # the template's text refused (too long for max_model_len): which conversation's
-                if e.prompt_index is None or n == 1:
+                if e.prompt_index is None:
                     raise
                 raise _in_conversation(e, e.prompt_index, n) from None
 

@@ -513,7 +513,8 @@ def json_path(value: str) -> str:
     names a directory or sits under a file."""
     if not value:      # Path('') is '.', a directory: it said "'' is a directory"
         raise argparse.ArgumentTypeError("an empty path; give a file path")
-    if os.path.islink(value) and not value.startswith("/dev/"):     # (/dev/stdout is a link, written in place)
+    device_file = value.startswith("/dev/")     # /dev/stdout and the like: a link, written in place
+    if os.path.islink(value) and not device_file:
         # write_json moves a new file over the path: a link was replaced by a plain file (a
         # dangling one left its target created empty), so the link's target is named instead.
         raise argparse.ArgumentTypeError(f"{value!r} is a symbolic link (to {os.readlink(value)!r}); give the file "
@@ -524,7 +525,7 @@ def json_path(value: str) -> str:
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file path")
-    if os.path.exists(value) and not os.path.isfile(value) and not value.startswith("/dev/"):
+    if os.path.exists(value) and not os.path.isfile(value) and not device_file:
         # a FIFO's open waited for a reader during argument parsing
         raise argparse.ArgumentTypeError(f"{value!r} is not a regular file; give a file path")
     _refuse_a_file_on_the_way(value, path.parents)

@@ -159,10 +159,19 @@ def _triton_settings() -> dict:
         return {}
 
 
+def _uid() -> int | None:
+    """This user's id; None where the platform has none (no POSIX owners to compare)."""
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def _owned_by_another(st) -> bool:
+    return _uid() is not None and st.st_uid != _uid()
+
+
 def _not_private(st) -> str | None:
     """None when this user owns the directory of stat `st` and neither group nor others can write it."""
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if _owned_by_another(st):
+        return f"is owned by uid {st.st_uid}, not by this user (uid {_uid()})"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"(mode {oct(st.st_mode & 0o777)}) lets group or others write it"
     return None
@@ -175,7 +184,7 @@ def check_private(path: Path) -> None:
         raise CompileCacheError(f"compile cache path {path} is not a directory")
     problem = _not_private(st)
     if problem is not None:
-        hint = ("use compile_cache_dir= a directory of your own" if "owned" in problem
+        hint = ("use compile_cache_dir= a directory of your own" if _owned_by_another(st)
                 else "chmod 700 it or choose another compile_cache_dir")
         raise CompileCacheError(f"refusing compile cache directory {path}: {problem}; {hint}")
 
@@ -233,7 +242,7 @@ def _acl_writer(path) -> str | None:
         tag, perm, who = struct.unpack_from("<HHI", blob, offset)
         if not perm & _ACL_WRITE:
             continue
-        if tag == _ACL_USER and who != getattr(os, "getuid", lambda: None)():
+        if tag == _ACL_USER and who != _uid():
             return f"user {who}"
         if tag == _ACL_GROUP and not _private_group(who):
             return f"the members of group {who}"
@@ -398,7 +407,7 @@ class CompileCache:
                 return self._new_entry()
             problem = _not_private(st)
             if problem is not None:
-                if st.st_uid == getattr(os, "getuid", lambda: st.st_uid)():
+                if not _owned_by_another(st):
                     # closed before the delete: while loose, others could add files to it (the
                     # delete then fails and the start with it) or race the delete's chmods
                     os.chmod(self.entry, 0o700)
